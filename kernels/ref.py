@@ -1,0 +1,106 @@
+"""Torch reference implementations of the kernel contract (docs/design.md).
+
+These are the ground truth the Triton kernels are tested against, and the path the engine
+uses on the CPU. They favour few large torch ops over Python loops: decode rows (one query
+token each) are attended in one batched SDPA call; prefill chunks go one sequence at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, Hkv, D] into the paged caches at flat slots; slot -1 is skipped."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks*bs, Hkv, D]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    slots = slot_mapping.to(torch.long)
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_flat.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_blocks, bs, Hkv, D] + block ids -> [length, Hkv, D] (a copy)."""
+    bs = cache.shape[1]
+    nb = (length + bs - 1) // bs
+    return cache[table[:nb].to(torch.long)].reshape(nb * bs, *cache.shape[2:])[:length]
+
+
+def _decode_rows(q, k_cache, v_cache, tables, lens, scale):
+    """q [B, Hq, D], all rows one query token: one padded SDPA over the gathered blocks."""
+    bs = k_cache.shape[1]
+    max_len = int(lens.max())
+    nb = (max_len + bs - 1) // bs
+    idx = tables[:, :nb].to(torch.long)
+    k = k_cache[idx].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
+    v = v_cache[idx].flatten(1, 2).transpose(1, 2)
+    pos = torch.arange(nb * bs, device=q.device)
+    mask = (pos[None, :] < lens[:, None].to(q.device))[:, None, None, :]  # [B,1,1,S]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.squeeze(2)  # [B, Hq, D]
+
+
+def _prefill_seq(q, k_cache, v_cache, table, kv_len, scale):
+    """q [L, Hq, D]: the last L positions of a kv_len-token sequence, causal."""
+    q_len = q.shape[0]
+    k = _gather(k_cache, table, kv_len).transpose(0, 1)  # [Hkv, S, D]
+    v = _gather(v_cache, table, kv_len).transpose(0, 1)
+    gqa = k.shape[0] != q.shape[1]
+    qh = q.transpose(0, 1)  # [Hq, L, D]
+    if q_len == kv_len:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # Query j sits at absolute position kv_len - q_len + j and sees keys up to there.
+        qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention for a flattened batch over the paged cache. q [T, Hq, D] -> [T, Hq, D]."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        rows = torch.tensor([starts[i] for i in decode], device=q.device)
+        sel = torch.tensor(decode, device=q.device)
+        out[rows] = _decode_rows(q[rows], k_cache, v_cache, block_tables[sel], seq_lens[sel], scale)
+    lens = seq_lens.tolist()
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            a = starts[i]
+            out[a:a + n] = _prefill_seq(q[a:a + n], k_cache, v_cache, block_tables[i], lens[i], scale)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused (residual add +) RMSNorm, computed in fp32 like HF Llama, cast back before the weight."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox / HF rotate_half rotary embedding; cos_sin [max_pos, D] = [cos | sin] halves."""
+    cs = cos_sin[positions.to(torch.long)]  # [T, D]
+    half = cs.shape[-1] // 2
+    cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, D/2]
+
+    def rot(x):
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
