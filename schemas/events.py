@@ -1,0 +1,113 @@
+"""Events a worker writes to a job's stream (field `event`), and the result object readers get.
+
+A job's stream is a log a reader replays from the start: zero or more `token` events, possibly
+interrupted by `restart` (the job is being rerun from scratch: discard what you have), and exactly one
+terminal event, `result` or `error`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from .keys import PROTOCOL_VERSION
+
+ErrorCode = Literal["invalid_request", "unknown_model", "expired", "cancelled", "dead_lettered",
+                    "internal"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Wire(BaseModel):
+    # Readers ignore fields they do not know, so workers can add fields within a version.
+    model_config = ConfigDict(extra="ignore")
+    v: int = PROTOCOL_VERSION
+
+
+class TokenEvent(_Wire):
+    type: Literal["token"] = "token"
+    index: int = 0  # which of the n completions
+    text: str = ""  # the new piece of text (a delta)
+    token_ids: list[int] = Field(default_factory=list)
+    # One {token_id: logprob} map per new token, when the request asked for logprobs.
+    logprobs: Optional[list[dict[str, float]]] = None
+
+
+class RestartEvent(_Wire):
+    type: Literal["restart"] = "restart"
+    reason: str = ""
+    attempt: int = 1
+    text: str = ""  # so a reader that concatenates `.text` can treat every event alike
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    queued_s: float = 0.0  # enqueue (stream entry time) -> added to an engine
+    ttft_s: Optional[float] = None  # enqueue -> first token written
+    total_s: float = 0.0  # enqueue -> result written
+    # Engine steps between the worker reading the job and its first token (priority checks).
+    ttft_steps: Optional[int] = None
+
+
+class Choice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    index: int
+    text: str
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+
+
+class ResultEvent(_Wire):
+    type: Literal["result"] = "result"
+    text: str
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    choices: Optional[list[Choice]] = None  # all n completions when n > 1
+    worker: Optional[str] = None
+
+
+class ErrorEvent(_Wire):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+Event = Annotated[Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent],
+                  Field(discriminator="type")]
+EventAdapter: TypeAdapter = TypeAdapter(Event)
+TERMINAL = ("result", "error")
+
+
+def parse_event(data: Union[str, bytes]) -> Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent]:
+    return EventAdapter.validate_json(data)
+
+
+class JobResult(BaseModel):
+    """What `Job.result()` returns: the completion, or `.error` when the job failed."""
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    choices: Optional[list[Choice]] = None
+    worker: Optional[str] = None
+    error: Optional[ErrorEvent] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def from_event(cls, job_id: str, ev: Union[ResultEvent, ErrorEvent]) -> "JobResult":
+        if isinstance(ev, ErrorEvent):
+            return cls(id=job_id, error=ev)
+        return cls(id=job_id, **ev.model_dump(exclude={"type", "v"}))

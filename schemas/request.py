@@ -1,0 +1,127 @@
+"""JobRequest: what a producer XADDs (field `job`) onto a lane stream.
+
+Sampling fields carry the engine's SamplingParams names and defaults so a request maps 1:1 onto
+`engine.SamplingParams(**req.sampling_kwargs())`. Strict types: the wire is JSON from any language,
+and silently turning "12" into 12 would hide producer bugs.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .keys import PROTOCOL_VERSION, lane_for
+
+MAX_PROMPT_CHARS = 1_000_000
+MAX_ID_LEN = 128
+ID_PATTERN = r"^[A-Za-z0-9_.:\-]+$"
+
+SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+    "logprobs",
+)
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    v: Literal[1] = PROTOCOL_VERSION
+    id: str = Field(default_factory=new_job_id, min_length=1, max_length=MAX_ID_LEN,
+                    pattern=ID_PATTERN)
+    model: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    prompt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1, max_length=1000)
+
+    n: int = Field(default=1, ge=1, le=16)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)  # -1 or 0: disabled, as in the engine
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    max_tokens: int = Field(default=16, ge=1, le=1_000_000)
+    min_tokens: int = Field(default=0, ge=0)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    deadline: Optional[float] = Field(default=None, gt=0)
+    metadata: Optional[dict[str, Any]] = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_str(cls, v: Any) -> Any:
+        # A bare string is the common single-stop form in OpenAI-style APIs.
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "JobRequest":
+        if (self.prompt is None) == (self.messages is None):
+            got = "both" if self.prompt is not None else "neither"
+            raise ValueError(f"exactly one of 'prompt' or 'messages' is required (got {got})")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
+        return self
+
+    @property
+    def lane(self) -> str:
+        return lane_for(self.priority)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.SamplingParams."""
+        return {f: getattr(self, f) for f in SAMPLING_FIELDS}
+
+    def to_wire(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem, naming the field and what was sent; unknown fields listed clearly."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "request"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown field {loc!r}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["loc"] and err["type"] not in ("missing",):
+            parts.append(f"{loc}: {msg} (got {_short(err.get('input'))})")
+        else:
+            parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_request(data: Union[str, bytes, dict]) -> JobRequest:
+    """Parse a wire job (JSON text or dict); raises ValidationError."""
+    if isinstance(data, dict):
+        return JobRequest.model_validate(data)
+    return JobRequest.model_validate_json(data)
