@@ -1,0 +1,179 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral-style, Qwen2-style qkv bias), gpt-fast style.
+
+The model runs on a flattened batch: T tokens from many sequences, no padding. Attention and
+KV writes go through a kernel backend (kernels/) over the paged cache. HF checkpoints keep
+q/k/v and gate/up as separate matrices; load hooks fuse them so each layer does two matmuls
+fewer per step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelArgs":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        supported = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+        if arch not in supported:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(supported)}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if rope.get("rope_type", "default") not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+            rope_scaling=rope if rope.get("rope_type") == "llama3" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=[eos] if isinstance(eos, int) else eos,
+        )
+
+
+def rope_cache(args: ModelArgs, max_pos: int) -> torch.Tensor:
+    """[max_pos, head_dim] = [cos | sin] halves, computed in fp32 exactly as HF does."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if args.rope_scaling:
+        inv_freq = _llama3_scale(inv_freq, args.rope_scaling)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.int64).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
+    factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    is_mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+    return torch.where(is_mid, mid, scaled)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.nh, self.nkv, self.hd = args.num_heads, args.num_kv_heads, args.head_dim
+        self.qkv = nn.Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, args.hidden_size, bias=False)
+        self.scale = self.hd ** -0.5
+        self._register_load_state_dict_pre_hook(self._fuse_qkv)
+
+    def _fuse_qkv(self, state, prefix, *args):
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{p}_proj.{kind}" for p in "qkv"]
+            if names[0] in state:
+                state[f"{prefix}qkv.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+    def forward(self, x, positions, kv, meta, kern):
+        # x: [T, H] -> qkv: [T, (nh + 2 nkv) * hd]
+        q, k, v = self.qkv(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k = kern.rotary(q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), positions, meta.rope)
+        v = v.view(-1, self.nkv, self.hd)
+        k_cache, v_cache = kv
+        kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kern.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                 meta.seq_lens, self.scale)  # [T, nh, hd]
+        return self.o_proj(o.reshape(-1, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self._register_load_state_dict_pre_hook(self._fuse_gate_up)
+
+    def _fuse_gate_up(self, state, prefix, *args):
+        g, u = f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"
+        if g in state:
+            state[f"{prefix}gate_up.weight"] = torch.cat([state.pop(g), state.pop(u)])
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, residual, kern):
+        return kern.rms_norm(x, self.weight, self.eps, residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, residual, positions, kv, meta, kern):
+        h, residual = self.input_layernorm(x, residual, kern)
+        h = self.self_attn(h, positions, kv, meta, kern)
+        h, residual = self.post_attention_layernorm(h, residual, kern)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta, kern):
+        # input_ids, positions: [T] -> hidden [T, H] (final-normed)
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv, meta, kern)
+        x, _ = self.model.norm(x, residual, kern)
+        return x
+
+    def compute_logits(self, hidden):
+        # hidden [N, H] -> logits [N, V] in fp32 for the sampler
+        return self.lm_head(hidden).float()

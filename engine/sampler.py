@@ -1,0 +1,163 @@
+"""Turn one row of logits per sequence into the next token (vLLM's processing order).
+
+Per row: min_tokens masking -> repetition penalty -> presence/frequency penalties -> greedy argmax
+(temperature 0) or temperature -> top_k -> top_p -> min_p -> sample with the row's generator.
+Logprobs (when asked) come from log_softmax of the RAW logits, before any of the above.
+
+A row's sampled token depends only on its own logits and its own generator, never on the other
+rows in the batch, so a seeded request gives the same text whatever it is batched with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    eos_token_id: int | None = None
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _is_plain_greedy(row: SampleRow) -> bool:
+    p = row.params
+    return (p.is_greedy and not p.has_penalties
+            and len(row.output_token_ids) >= p.min_tokens)
+
+
+# ---- logits processors (each works on one row: a 1-D float32 tensor, modified in place) -------
+def apply_min_tokens(logits: torch.Tensor, row: SampleRow) -> None:
+    """While fewer than min_tokens were generated, forbid eos and the stop token ids."""
+    p = row.params
+    if len(row.output_token_ids) >= p.min_tokens:
+        return
+    banned = list(p.stop_token_ids)
+    if row.eos_token_id is not None:
+        banned.append(row.eos_token_id)
+    banned = [t for t in banned if 0 <= t < logits.shape[-1]]
+    if banned:
+        logits[torch.tensor(banned, device=logits.device)] = float("-inf")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> None:
+    """HF/vLLM semantics: for every token seen, logit > 0 -> logit / p, else logit * p."""
+    if penalty == 1.0 or not token_ids:
+        return
+    idx = torch.tensor(sorted(set(token_ids)), device=logits.device, dtype=torch.long)
+    vals = logits[idx]
+    logits[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+
+
+def apply_presence_frequency(logits: torch.Tensor, output_ids: list[int],
+                             presence: float, frequency: float) -> None:
+    """OpenAI semantics over generated tokens: logit -= presence * [count > 0] + frequency * count."""
+    if (presence == 0.0 and frequency == 0.0) or not output_ids:
+        return
+    ids = torch.tensor(output_ids, device=logits.device, dtype=torch.long)
+    counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+    logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass reaches p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= p
+    drop_sorted[0] = False  # always keep the most likely token
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+class Sampler:
+    """`sampler(logits [N, V], rows) -> (token ids, logprob dicts or None)`."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        # used by rows without their own generator; None means torch's default generator
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
+                 ) -> tuple[list[int], list[dict[int, float] | None]]:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], "
+                             f"got {tuple(logits.shape)}")
+        logits = logits.float()
+        tokens: list[int] = [0] * len(rows)
+        plain = [i for i, r in enumerate(rows) if _is_plain_greedy(r)]
+        if plain:  # the common case: one argmax for all plain-greedy rows
+            picked = logits[plain].argmax(dim=-1).tolist()
+            for i, t in zip(plain, picked):
+                tokens[i] = t
+        plain_set = set(plain)
+        for i, row in enumerate(rows):
+            if i not in plain_set:
+                tokens[i] = self._sample_row(logits[i].clone(), row)
+        return tokens, self._logprobs(logits, rows, tokens)
+
+    def _sample_row(self, logits: torch.Tensor, row: SampleRow) -> int:
+        p = row.params
+        apply_min_tokens(logits, row)
+        apply_repetition_penalty(logits, row.prompt_token_ids + row.output_token_ids,
+                                 p.repetition_penalty)
+        apply_presence_frequency(logits, row.output_token_ids,
+                                 p.presence_penalty, p.frequency_penalty)
+        if p.is_greedy:
+            return int(logits.argmax())
+        logits = logits / p.temperature
+        logits = apply_top_k(logits, p.top_k)
+        logits = apply_top_p(logits, p.top_p)
+        logits = apply_min_p(logits, p.min_p)
+        probs = torch.softmax(logits, dim=-1)
+        gen = row.generator if row.generator is not None else self.generator
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: list[SampleRow], tokens: list[int]
+                  ) -> list[dict[int, float] | None]:
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        out: list[dict[int, float] | None] = [None] * len(rows)
+        if not want:
+            return out
+        logp = torch.log_softmax(logits[want], dim=-1)
+        k_max = max(rows[i].params.logprobs for i in want)
+        top_vals, top_ids = (torch.topk(logp, k_max, dim=-1) if k_max > 0 else (None, None))
+        sampled = logp.gather(1, torch.tensor([tokens[i] for i in want],
+                                              device=logp.device).unsqueeze(1))
+        sampled = sampled.squeeze(1).tolist()
+        top_vals = top_vals.tolist() if top_vals is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs
+            d = {} if k == 0 else dict(zip(top_ids[j][:k], top_vals[j][:k]))
+            d[tokens[i]] = sampled[j]
+            out[i] = d
+        return out

@@ -1,0 +1,141 @@
+"""Phase-free continuous-batching scheduler (the vLLM V1 rule).
+
+Every step each scheduled sequence gets `num_new_tokens = num_tokens - num_computed_tokens`,
+capped by one shared token budget, so a long prompt is prefilled in chunks alongside decodes
+and a preempted sequence simply recomputes. Order: lower priority value first, FIFO within one.
+When blocks run out the lowest-priority running sequence is preempted (its blocks freed, its
+tokens recomputed later), so the engine never runs out of memory.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child joins the running set directly (its blocks are already shared)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key)
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.block_copies = self.bm.take_pending_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(seq, num_new):
+                victim = self.running[-1]  # lowest priority, latest arrival
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            while len(self.running) >= self.max_num_seqs:
+                refund = self._preempt_lower(seq, out)
+                if refund is None:
+                    return
+                budget += refund
+            cached = self.bm.find_cached_blocks(seq.token_ids)
+            num_new = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
+            while not self.bm.allocate_slots(seq, num_new, cached):
+                refund = self._preempt_lower(seq, out)
+                if refund is None:
+                    return
+                budget += refund
+            self.bm.record_prefix_query(seq.num_tokens, len(cached))
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = len(cached) * self.bm.block_size
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _preempt_lower(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """Preempt the lowest-priority running sequence when its priority value is worse than
+        seq's. Returns the tokens it had been given this step (refunded), or None if none."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=lambda s: s.sort_key)
+        if victim.priority <= seq.priority:
+            return None
+        refund = 0
+        for k, (s, n) in enumerate(out.scheduled):
+            if s is victim:
+                refund = n
+                del out.scheduled[k]
+                break
+        self._preempt(victim, out)
+        return refund
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: free the blocks, requeue; the prefix cache may bring them back."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
