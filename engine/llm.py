@@ -1,0 +1,46 @@
+"""LLM: the offline entry point (vLLM's name and shape): generate / chat over a resident engine."""
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        eng = self.llm_engine
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = f"llm-{self._counter}"
+            self._counter += 1
+            eng.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        reqs = {rid: eng.requests[rid] for rid in ids}
+        while eng.has_unfinished_requests():
+            eng.step()
+        return [reqs[rid].full_output() for rid in ids]
+
+    def chat(self, messages, sampling_params=None) -> list[RequestOutput]:
+        """messages: one conversation (list of {role, content}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.llm_engine.tokenizer(
+            self.llm_engine.apply_chat_template(c), add_special_tokens=False)["input_ids"]}
+            for c in convs]
+        return self.generate(prompts, sampling_params)

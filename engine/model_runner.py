@@ -1,0 +1,100 @@
+"""Runs one scheduled step: flattens the batch, owns the paged KV tensors, returns logits.
+
+The batch is one flat token sequence (no padding): prefill chunks and decode tokens of many
+sequences side by side. Attention metadata says which rows belong to whom and where each
+token's K/V lives (slot = block_id * block_size + offset).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.models.llama import rope_cache
+from engine.models.loader import load_model
+from kernels import get_backend
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path, max_model_len: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = load_model(model_path, self.dtype, self.device)
+        self.args = self.model.args
+        self.kern = get_backend(config.kernel_backend, config.device)
+        self.rope = rope_cache(self.args, max_model_len).to(self.device)
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
+        shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.args.num_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        a = self.args
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def _blocks_from_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used - (1 << 30)  # activations
+        else:
+            budget = self.config.kv_cache_memory
+        blocks = budget // self.bytes_per_block
+        if blocks < 1:
+            raise ValueError(f"KV memory budget {budget} bytes holds no {self.bytes_per_block}-byte block")
+        return int(blocks)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared partial blocks before anyone writes into them."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, SimpleNamespace, list[int]]:
+        """scheduled: [(seq, num_new)] -> input ids [T], positions [T], attention meta, and the
+        flat row of each sequence's last token (for sequences whose step ends its known tokens)."""
+        bs = self.block_size
+        ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []
+        for seq, n in scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:
+                logit_rows.append(qsl[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = SimpleNamespace(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            rope=self.rope,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), meta, logit_rows)
+
+    @torch.inference_mode()
+    def execute(self, scheduled, copies: list[tuple[int, int]]) -> torch.Tensor:
+        """One forward over the flattened batch -> fp32 logits [num_sampling_seqs, V] (on CPU)."""
+        self.copy_blocks(copies)
+        input_ids, positions, meta, logit_rows = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kern)
+        if not logit_rows:
+            return torch.empty(0, self.args.vocab_size)
+        rows = torch.tensor(logit_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows]).cpu()

@@ -1,0 +1,41 @@
+"""A request: the prompt, its sampling parameters and its n sample sequences."""
+from __future__ import annotations
+
+import time
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sequence import Sequence
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params,
+                 priority: int, arrival_time: float | None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        now = time.monotonic()
+        self.metrics = RequestMetrics(arrival_time=now if arrival_time is None else arrival_time)
+        self.seqs: list[Sequence] = []
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+    def delta_output(self, deltas: dict[int, CompletionOutput]) -> RequestOutput:
+        """RequestOutput carrying only what changed this step (for streaming)."""
+        outs = [deltas[i] for i in sorted(deltas)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, self.metrics)
+
+    def full_output(self) -> RequestOutput:
+        """The whole output of every sample so far."""
+        outs = []
+        for s in sorted(self.seqs, key=lambda s: s.index):
+            det = s.detokenizer
+            outs.append(CompletionOutput(
+                s.index, det.text if det else "", s.output_token_ids, s.finish_reason,
+                list(s.logprobs) if self.params.logprobs is not None else None, s.stop_reason))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, self.metrics)
