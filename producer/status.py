@@ -1,0 +1,79 @@
+"""Queue depth per lane, pending (in flight), workers and their heartbeats, dead letters."""
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from schemas import LANES, Keys
+
+
+def _lane_status(r: redis.Redis, keys: Keys) -> dict:
+    pipe = r.pipeline(transaction=False)
+    for lane in LANES:
+        pipe.xlen(keys.jobs(lane))
+        pipe.xinfo_groups(keys.jobs(lane))
+    out = pipe.execute(raise_on_error=False)
+    lanes = {}
+    for i, lane in enumerate(LANES):
+        length, groups = out[2 * i], out[2 * i + 1]
+        group = next((g for g in groups if _s(g["name"]) == keys.group), None) \
+            if isinstance(groups, list) else None
+        pending = int(group["pending"]) if group else 0
+        # Workers delete entries when they ack them, so the stream holds exactly the queued
+        # (never delivered) entries plus the pending ones.
+        lanes[lane] = {"queued": max(0, int(length or 0) - pending), "pending": pending}
+    return lanes
+
+
+def _worker_status(r: redis.Redis, keys: Keys) -> list[dict]:
+    infos = r.hgetall(keys.workers)
+    names = sorted(infos)
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.worker(name))
+    alive = pipe.execute() if names else []
+    now = time.time()
+    workers = []
+    for name, is_alive in zip(names, alive):
+        try:
+            info = json.loads(infos[name])
+        except ValueError:
+            info = {}
+        beat = info.get("beat")
+        workers.append({"name": _s(name), "alive": bool(is_alive), **info,
+                        "beat_age_s": round(now - beat, 1) if beat else None})
+    return workers
+
+
+def queue_status(r: redis.Redis, keys: Keys, dead_tail: int = 5) -> dict:
+    dead = r.xrevrange(keys.dead, count=dead_tail)
+    return {
+        "prefix": keys.prefix,
+        "lanes": _lane_status(r, keys),
+        "workers": _worker_status(r, keys),
+        "dead": {"count": r.xlen(keys.dead),
+                 "recent": [{"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}}
+                            for i, f in dead]},
+    }
+
+
+def _s(v) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def format_status(st: dict) -> str:
+    lines = [f"prefix {st['prefix']}", "lane     queued  pending"]
+    for lane, d in st["lanes"].items():
+        lines.append(f"{lane:<8} {d['queued']:>6}  {d['pending']:>7}")
+    lines.append(f"workers: {sum(w['alive'] for w in st['workers'])} alive"
+                 f" / {len(st['workers'])} known")
+    for w in st["workers"]:
+        state = "alive" if w["alive"] else "gone "
+        lines.append(f"  {w['name']:<24} {state} model={w.get('model', '?')} "
+                     f"running={w.get('running', '?')} beat={w.get('beat_age_s')}s ago")
+    lines.append(f"dead letters: {st['dead']['count']}")
+    for d in st["dead"]["recent"]:
+        lines.append(f"  {d['entry']} job={d.get('job_id', '?')} reason={d.get('reason', '?')}")
+    return "\n".join(lines)
