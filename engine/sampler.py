@@ -62,7 +62,7 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
 
 def apply_presence_frequency(logits: torch.Tensor, output_ids: list[int],
                              presence: float, frequency: float) -> None:
-    """OpenAI semantics over generated tokens: logit -= presence * [count > 0] + frequency * count."""
+    """OpenAI semantics over generated tokens: logit -= presence * [count>0] + frequency * count."""
     if (presence == 0.0 and frequency == 0.0) or not output_ids:
         return
     ids = torch.tensor(output_ids, device=logits.device, dtype=torch.long)
@@ -138,6 +138,8 @@ class Sampler:
         logits = apply_min_p(logits, p.min_p)
         probs = torch.softmax(logits, dim=-1)
         gen = row.generator if row.generator is not None else self.generator
+        if gen is not None and gen.device != probs.device:
+            probs = probs.to(gen.device)  # e.g. CUDA logits with a CPU generator
         return int(torch.multinomial(probs, 1, generator=gen))
 
     @staticmethod
@@ -148,7 +150,7 @@ class Sampler:
         if not want:
             return out
         logp = torch.log_softmax(logits[want], dim=-1)
-        k_max = max(rows[i].params.logprobs for i in want)
+        k_max = min(max(rows[i].params.logprobs for i in want), logp.shape[-1])
         top_vals, top_ids = (torch.topk(logp, k_max, dim=-1) if k_max > 0 else (None, None))
         sampled = logp.gather(1, torch.tensor([tokens[i] for i in want],
                                               device=logp.device).unsqueeze(1))
