@@ -25,11 +25,13 @@ MAX_PENDING = 8
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] | None = None,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens  # stop strings count only once this many tokens are out
+        self.num_tokens = 0  # output tokens added so far
         self._max_stop = max((len(s) for s in self.stop), default=0)
         # token window: a few prompt tokens (left context) followed by all output tokens
         self._ids: list[int] = list(prompt_token_ids[-INITIAL_CONTEXT:])
@@ -85,6 +87,7 @@ class IncrementalDetokenizer:
         old_len = len(self._decoded)
         for t in token_ids:
             self._ids.append(int(t))
+            self.num_tokens += 1
             self._decoded += self._next_delta()
         return self._emit(old_len)
 
@@ -100,7 +103,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _emit(self, old_len: int, final: bool = False) -> tuple[str, str | None]:
-        hit = self._find_stop(old_len)
+        hit = self._find_stop(old_len) if self.num_tokens >= self.min_tokens else None
         if hit is not None:
             pos, stop = hit
             end = pos + len(stop) if self.include_stop_str_in_output else pos

@@ -139,6 +139,17 @@ def test_stop_prefix_is_held_back_until_decided(tok):
     assert deltas == ["a", "b", "", "", ""] and stop == "###" and d.text == "ab"
 
 
+def test_stop_strings_ignored_before_min_tokens(tok):
+    ids = byte_ids(tok, b"aXbXcX")
+    deltas, stop, _, d = run(tok, ids, stop=["X"], min_tokens=4)
+    # the X at token 2 is ignored; the one at token 4 (the 4th output token) stops
+    assert stop == "X" and d.text == "aXb" and d.num_tokens == 4
+    deltas, stop, _, d = run(tok, byte_ids(tok, b"abXYz"), stop=["XY"], min_tokens=4)
+    assert stop == "XY" and d.text == "ab"  # a held-back prefix still counts once allowed
+    deltas, stop, tail, d = run(tok, byte_ids(tok, b"XYab"), stop=["XY"], min_tokens=3)
+    assert stop is None and "".join(deltas) + tail == "XYab"
+
+
 def test_stop_string_inside_one_token_and_at_the_start(tok):
     ids = tok.encode("The end.\n\nNext")
     deltas, stop, _, d = run(tok, ids, chunks=[len(ids)], stop=["\n\n"])
