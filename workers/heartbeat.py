@@ -1,0 +1,44 @@
+"""Worker liveness: a key with a TTL (gone = worker dead) plus an info entry in the workers hash."""
+from __future__ import annotations
+
+import json
+import time
+
+from schemas import Keys
+
+STALE_S = 3600  # forget a worker whose last beat is this old (it died without saying goodbye)
+
+
+class Heartbeat:
+    def __init__(self, r, keys: Keys, name: str, interval_s: float):
+        self.r, self.keys, self.name = r, keys, name
+        self.ttl_s = max(5, int(3 * interval_s + 1))  # survive two missed beats
+        self.started = time.time()
+        self.beats = 0
+
+    def beat(self, info: dict) -> None:
+        doc = json.dumps({**info, "name": self.name, "started": self.started, "beat": time.time(),
+                          "ttl_s": self.ttl_s})
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.keys.worker(self.name), doc, ex=self.ttl_s)
+        pipe.hset(self.keys.workers, self.name, doc)
+        pipe.execute()
+        self.beats += 1
+        if self.beats % 30 == 1:
+            self._prune()
+
+    def _prune(self) -> None:
+        now = time.time()
+        for name, doc in self.r.hgetall(self.keys.workers).items():
+            try:
+                beat = float(json.loads(doc).get("beat", 0))
+            except (ValueError, TypeError, AttributeError):
+                beat = 0.0
+            if now - beat > STALE_S:
+                self.r.hdel(self.keys.workers, name)
+
+    def leave(self) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(self.keys.worker(self.name))
+        pipe.hdel(self.keys.workers, self.name)
+        pipe.execute()

@@ -1,0 +1,303 @@
+"""The resident worker: Redis lane streams -> one engine -> per-job Redis event streams.
+
+Read `Worker.run` and `Worker.tick` top to bottom; each line is one stage of a step. Every Redis
+key comes from schemas.keys; docs/protocol.md describes the wire format.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import redis
+
+from producer.protocol import backoff
+from schemas import LANES, ErrorEvent, Keys
+
+from .admission import Admitter, blocks_needed
+from .heartbeat import Heartbeat
+from .intake import Entry
+from .jobstate import InFlight
+from .outbox import Outbox
+from .streams import ensure_groups, entries_from, own_pending, read_lanes, reclaim, refresh_claims
+
+log = logging.getLogger("genpool.worker")
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+@dataclass
+class WorkerConfig:
+    name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    served_models: frozenset = frozenset()
+    claim_idle_ms: int = 30_000  # an entry idle this long belongs to a dead worker
+    max_deliveries: int = 3  # a job delivered more often than this is dead-lettered
+    drain_timeout_s: float = 30.0
+    idle_block_ms: int = 200  # XREADGROUP BLOCK while the engine has nothing to do
+    high_burst: int = 4  # high-lane jobs admitted beyond capacity (the engine preempts for them)
+    heartbeat_s: float = 2.0
+    max_inflight: Optional[int] = None  # default: the engine's max_num_seqs
+    events_maxlen: int = 16384
+    result_ttl_s: int = 86400
+    job_ttl_s: int = 7 * 86400
+
+
+class Worker:
+    def __init__(self, engine, r: redis.Redis, keys: Keys, cfg: WorkerConfig):
+        self.engine, self.r, self.keys, self.cfg = engine, r, keys, cfg
+        self.name = cfg.name
+        self.inflight: dict[str, InFlight] = {}
+        self.outbox = Outbox(keys, self.name, cfg.events_maxlen, cfg.result_ttl_s, cfg.job_ttl_s)
+        self.admitter = Admitter(r, keys, self.name, cfg.served_models, self.outbox,
+                                 cfg.max_deliveries, cfg.job_ttl_s)
+        self.heartbeat = Heartbeat(r, keys, self.name, cfg.heartbeat_s)
+        st = engine.stats()
+        self.max_seqs = cfg.max_inflight or (st["free_seq_slots"] + st["num_running"]
+                                             + st["num_waiting"])
+        self.kv_total, self.block_size = st["kv_blocks_total"], st.get("block_size", 16)
+        self.steps = 0
+        self.started = False
+        self.control_cursor = "$"
+        self.claim_cursors: dict[str, str] = {}
+        self.next_upkeep = 0.0
+        self.stopping, self.drain_deadline = False, float("inf")
+        self.counts = {"done": 0, "failed": 0, "reconnects": 0}
+        self._stop_event = threading.Event()
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        self._install_signals()
+        while not self.started and not self._done():
+            self._guarded(self.start)
+        while not self._done():
+            self._guarded(self.tick)
+        self._release_unfinished()
+        self._guarded(self.finish, attempts=3)
+        log.info("worker %s stopped: %s", self.name, self.counts)
+        return 0
+
+    def start(self) -> None:
+        ensure_groups(self.r, self.keys)
+        self.control_cursor = self._control_tail()
+        self.admit(own_pending(self.r, self.keys, self.name, self.max_seqs))
+        self.heartbeat.beat(self.status())
+        self.started = True
+        log.info("worker %s ready (prefix %s, %d slots, models %s)", self.name, self.keys.prefix,
+                 self.max_seqs, sorted(self.cfg.served_models))
+
+    def tick(self) -> None:
+        self.upkeep()  # heartbeat; keep our entries claimed; take over dead workers' entries
+        cancels, entries = self.poll()  # one round trip while full: control + high lane
+        self.cancel(cancels)  # aborts within this step, frees the KV blocks
+        self.admit(entries)  # validate, ownership check, engine.add_request
+        self.expire()  # deadlines passed while running
+        self.step_and_publish()  # one engine step, then ONE MULTI with every write of the step
+
+    def _done(self) -> bool:
+        if not self.stopping:
+            return False
+        idle = not self.inflight and not len(self.outbox)
+        return idle or time.monotonic() >= self.drain_deadline
+
+    # -- stages --------------------------------------------------------------------------
+    def upkeep(self) -> None:
+        if time.monotonic() < self.next_upkeep:
+            return
+        self.next_upkeep = time.monotonic() + min(self.cfg.heartbeat_s,
+                                                  self.cfg.claim_idle_ms / 3000)
+        self.heartbeat.beat(self.status())
+        refresh_claims(self.r, self.keys, self.name, [j.entry for j in self.inflight.values()])
+        free = self.capacity()
+        if not self.stopping and free > 0:
+            self.admit(reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free,
+                               self.claim_cursors))
+
+    def capacity(self) -> int:
+        """How many more jobs fit: sequence slots, and KV blocks for their worst case."""
+        st = self.engine.stats()
+        seqs = sum(j.req.n for j in self.inflight.values())
+        slots = min(st["free_seq_slots"], self.max_seqs - seqs)
+        held = [blocks_needed(j, self.block_size) for j in self.inflight.values()]
+        per_job = max(1, sum(held) // len(held)) if held else 1
+        kv_room = (self.kv_total - sum(held)) // per_job
+        return max(0, min(slots, kv_room))
+
+    def poll(self) -> tuple[list[str], list[Entry]]:
+        """Cancels from the control stream, and new entries sized to what the engine can hold.
+        The high lane is read every step, even when full, so interactive work can preempt."""
+        free = 0 if self.stopping else self.capacity()
+        high = 0 if self.stopping else min(free + self.cfg.high_burst,
+                                           self.max_seqs + self.cfg.high_burst - len(self.inflight))
+        idle = not self.inflight and not self.engine.has_unfinished_requests()
+        if idle and not self.stopping and free > 0:
+            return self._read_control(), self._blocking_read(free)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xread({self.keys.control: self.control_cursor}, count=1000)
+        read_lanes(pipe, self.keys, self.name, {"high": high})
+        replies = pipe.execute()
+        cancels = self._cancels_from(replies[0])
+        entries = entries_from(replies[1], self.keys) if high > 0 else []
+        free -= len(entries)
+        for lane in LANES[1:]:  # normal before low, each only with room left
+            if free <= 0:
+                break
+            got = entries_from(self.r.xreadgroup(self.keys.group, self.name,
+                                                 {self.keys.jobs(lane): ">"}, count=free),
+                               self.keys)
+            entries += got
+            free -= len(got)
+        return cancels, entries
+
+    def _blocking_read(self, free: int) -> list[Entry]:
+        # One BLOCK call over all lanes; COUNT applies per stream, so split the room three ways.
+        per = max(1, free // len(LANES))
+        reply = self.r.xreadgroup(self.keys.group, self.name,
+                                  {k: ">" for k in self.keys.all_jobs()}, count=per,
+                                  block=self.cfg.idle_block_ms)
+        entries = entries_from(reply, self.keys)
+        return sorted(entries, key=lambda e: LANES.index(e.lane))
+
+    def _read_control(self) -> list[str]:
+        return self._cancels_from(self.r.xread({self.keys.control: self.control_cursor},
+                                               count=1000))
+
+    def _cancels_from(self, reply) -> list[str]:
+        ids = []
+        for _, items in reply or []:
+            for entry_id, fields in items:
+                self.control_cursor = entry_id
+                if fields.get(b"op") == b"cancel" and fields.get(b"id"):
+                    ids.append(fields[b"id"].decode("utf-8", "replace"))
+        return ids
+
+    def _control_tail(self) -> str:
+        last = self.r.xrevrange(self.keys.control, count=1)
+        return last[0][0] if last else "0-0"
+
+    def cancel(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            if job_id in self.inflight:
+                self._abort(job_id, ErrorEvent(code="cancelled", message="cancelled by request"))
+
+    def admit(self, entries: list[Entry]) -> None:
+        # Entry ids are per stream (lanes can share one), so key by both.
+        running = {(j.entry.stream, j.entry.entry_id) for j in self.inflight.values()}
+        entries = [e for e in entries if (e.stream, e.entry_id) not in running]  # ours already
+        if not entries:
+            return
+        for v in self.admitter.verdicts(entries):
+            if self.admitter.settle(v) is None:
+                continue
+            job = self.admitter.start(self.engine, v, self.steps)
+            if job is not None:
+                self.inflight[job.id] = job
+
+    def expire(self) -> None:
+        now = time.time()
+        for job in list(self.inflight.values()):
+            if job.req.deadline is not None and job.req.deadline < now:
+                n = sum(len(v) for v in job.ids.values())
+                self._abort(job.id, ErrorEvent(
+                    code="expired", message=f"deadline passed after {n} generated tokens"))
+
+    def _abort(self, job_id: str, ev: ErrorEvent) -> None:
+        job = self.inflight.pop(job_id)
+        self.engine.abort_request(job_id)
+        self.outbox.error(job_id, job.entry, ev, job)
+        self.counts["failed"] += 1
+
+    def step_and_publish(self) -> None:
+        if self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            self.steps += 1
+            for out in outputs:
+                self._collect(out)
+        self.outbox.flush(self.r)
+
+    def _collect(self, out) -> None:
+        job = self.inflight.get(out.request_id)
+        if job is None:  # cancelled or expired: already answered
+            return
+        if out.prompt_token_ids:
+            job.prompt_tokens = len(out.prompt_token_ids)
+        for c in out.outputs:
+            ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
+                               self.steps)
+            if ev is not None:
+                self.outbox.token(job.id, ev)
+        if out.finished:
+            del self.inflight[job.id]
+            self.outbox.result(job, job.result(self.name))
+            self.counts["done"] += 1
+
+    # -- robustness ----------------------------------------------------------------------
+    def _guarded(self, fn, attempts: Optional[int] = None) -> None:
+        """Run a stage; on Redis loss, reconnect with backoff and keep every job (nothing acked
+        is lost: acks only ever travel with their results)."""
+        try:
+            fn()
+        except REDIS_DOWN as e:
+            log.warning("Redis connection lost (%s); reconnecting", e)
+            self.outbox.after_failure(list(self.inflight.values()))
+            self._reconnect(attempts)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("consumer groups vanished (Redis restarted empty?); recreating")
+            ensure_groups(self.r, self.keys)
+
+    def _reconnect(self, attempts: Optional[int]) -> None:
+        delays = backoff(0.1, 5.0)
+        tries = 0
+        while attempts is None or tries < attempts:
+            tries += 1
+            if self.stopping and time.monotonic() >= self.drain_deadline:
+                return
+            try:
+                self.r.ping()
+                ensure_groups(self.r, self.keys)
+                self.counts["reconnects"] += 1
+                self.outbox.after_failure(list(self.inflight.values()))  # Redis may have lost
+                log.info("reconnected to Redis")  # the last writes (restart without fsync)
+                return
+            except REDIS_DOWN:
+                self._stop_event.wait(next(delays))
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # in-process test workers are stopped with stop()
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+
+    def stop(self, drain_timeout_s: Optional[float] = None) -> None:
+        """Stop pulling work; finish what is in flight within the drain timeout. Twice: now."""
+        timeout = self.cfg.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if self.stopping:
+            timeout = 0.0
+        self.stopping = True
+        self.drain_deadline = time.monotonic() + timeout
+        self._stop_event.set()
+        log.info("worker %s draining (%d in flight, %.1f s)", self.name, len(self.inflight),
+                 timeout)
+
+    def _release_unfinished(self) -> None:
+        """Jobs still running at the drain deadline stay unacknowledged: after claim_idle_ms
+        another worker reclaims them and reruns them (their readers see a restart)."""
+        if self.inflight:
+            log.warning("releasing %d unfinished jobs to other workers", len(self.inflight))
+            self.engine.abort_request(list(self.inflight))
+            self.inflight.clear()
+
+    def finish(self) -> None:
+        self.outbox.flush(self.r)
+        self.heartbeat.leave()
+
+    def status(self) -> dict:
+        return {"model": ",".join(sorted(self.cfg.served_models)), "pid": os.getpid(),
+                "host": socket.gethostname(), "running": len(self.inflight),
+                "state": "draining" if self.stopping else "running", "steps": self.steps,
+                **self.counts}
