@@ -92,27 +92,35 @@ def _paged_attention_kernel(
             k_cache_ptr, v_cache_ptr, block_table_row, kv_start, kv_bound, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             dims, dim_valid, BLOCK_SIZE, BLOCK_N)
-        p_dtype = v.dtype
-        if DOT_IN_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < kv_bound)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # Padding rows see nothing: keep their max finite so exp2 yields 0 instead of NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        # P is rounded to V's storage dtype as the fp16/bf16 tensor-core path needs.
-        acc = tl.dot(p.to(p_dtype).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, kv_pos, q_pos, m_i, l_i, acc, scale_log2,
+                                             DOT_PRECISION, DOT_IN_FP32)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_offs = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, kv_pos, q_pos, m_i, l_i, acc, scale_log2,
+                         DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """Fold one K/V tile into the running (max, denominator, output) of every row."""
+    p_dtype = v.dtype
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # log2 domain: exp2 below
+    # Causal: a row sees keys up to its own position. Rows past the sequence's end sit beyond
+    # every loaded key, and positions past kv_bound are zero-filled loads; neither is stored.
+    scores = tl.where(kv_pos[None, :] <= q_pos[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that has seen nothing yet keeps a finite max so exp2 yields 0 instead of NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # P is rounded to V's storage dtype, as the fp16/bf16 tensor-core path needs.
+    acc = tl.dot(p.to(p_dtype).to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -186,8 +194,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
                     block_n=None):
     """Causal attention of each sequence's query rows over its paged KV cache (see docs/design.md).
 
-    block_n: kv positions per inner-loop step (power of two, >= 16); defaults to the cache's
-    block size, but at least 16 because tl.dot needs that.
+    block_n: kv positions per inner-loop step (power of two, >= 16, independent of the cache's
+    block size); default max(64, block_size). benchmarks/gpu_check.py sweeps it.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -199,7 +207,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = _pick_block_m(num_tokens, num_seqs, group_pad)
-    block_n = block_n or max(16, block_size)
+    block_n = block_n or max(64, block_size)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     block_q = block_m // group_pad
