@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,9 @@ def pull(name: str, force: bool = False) -> Path:
     if (final / "config.json").is_file() and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{spec.name}.tmp-*"):  # left by a killed pull
+        if time.time() - stale.stat().st_mtime > 6 * 3600:
+            shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f".{spec.name}.tmp-", dir=final.parent) as tmp:
         tmp = Path(tmp)
         dl, gg, out = tmp / "download", tmp / "gguf", tmp / "out"
