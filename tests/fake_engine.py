@@ -105,6 +105,9 @@ class FakeEngine:
 
 
 def make(**kwargs) -> FakeEngine:
-    """Engine factory for `genpool worker --engine-factory tests.fake_engine:make`."""
-    return FakeEngine(**{k: v for k, v in kwargs.items()
-                         if k in ("max_num_seqs", "num_blocks", "block_size", "step_delay")})
+    """Engine factory for `genpool worker --engine-factory tests.fake_engine:make`
+    (GENPOOL_FAKE_STEP_DELAY sets seconds per step)."""
+    import os
+
+    kw = {k: v for k, v in kwargs.items() if k in ("max_num_seqs", "block_size")}
+    return FakeEngine(step_delay=float(os.environ.get("GENPOOL_FAKE_STEP_DELAY", "0")), **kw)

@@ -13,6 +13,10 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "models": "workers.cli_models:register",
+    "submit": "producer.cli:register_submit",
+    "status": "producer.cli:register_status",
+    "worker": "workers.worker_cli:register_worker",
+    "demo": "workers.demo:register",
 }
 
 
