@@ -17,7 +17,8 @@ from schemas import TERMINAL, JobResult, Keys
 from .client import PIPELINE_CHUNK
 from .config import key_prefix, redis_url
 from .protocol import (CANCEL_LUA, JOB_TTL_S, READ_COUNT, SUBMIT_LUA, backoff, block_ms,
-                       build_request, cancel_args, decode_event, submit_args, terminal_from_hash)
+                       build_request, cancel_args, decode_event, last_terminal, submit_args,
+                       terminal_from_hash)
 from .replay import Replay
 
 _RETRY = (redis.ConnectionError, redis.TimeoutError)
@@ -85,7 +86,7 @@ class AsyncJob:
             return await pipe.execute()
 
         (res, err), last = await _retrying(snapshot)
-        final = terminal_from_hash(res, err)
+        final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:
             start = last[0][0] if last else "0-0"
             async for ev in self.events(timeout, start=start):

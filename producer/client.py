@@ -10,7 +10,8 @@ from schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent
 
 from .config import key_prefix, redis_url
 from .protocol import (CANCEL_LUA, JOB_TTL_S, READ_COUNT, SUBMIT_LUA, backoff, block_ms,
-                       build_request, cancel_args, decode_event, submit_args, terminal_from_hash)
+                       build_request, cancel_args, decode_event, last_terminal, submit_args,
+                       terminal_from_hash)
 from .replay import Replay
 
 PIPELINE_CHUNK = 500
@@ -72,7 +73,7 @@ class Job:
         pipe.hmget(keys.job(self.id), "result", "error")
         pipe.xrevrange(keys.events(self.id), count=1)
         (res, err), last = _retrying(pipe.execute)
-        final = terminal_from_hash(res, err)
+        final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:  # not finished: wait for events after the last one that exists now
             start = last[0][0] if last else "0-0"
             final = next(ev for ev in self.events(timeout, start=start) if ev.type in TERMINAL)

@@ -79,6 +79,15 @@ def terminal_from_hash(result: Optional[str], error: Optional[str]
     return None
 
 
+def last_terminal(xrevrange_reply) -> Optional[Union[ResultEvent, ErrorEvent]]:
+    """The stream's last event when it is terminal (covers a hash that expired or was never
+    written by a non-genpool worker)."""
+    if not xrevrange_reply:
+        return None
+    ev = decode_event(xrevrange_reply[0][1])
+    return ev if ev.type in ("result", "error") else None
+
+
 def backoff(first: float = 0.05, cap: float = 2.0) -> Iterator[float]:
     delay = first
     while True:

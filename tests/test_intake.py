@@ -1,0 +1,75 @@
+"""Hostile stream entries -> precise errors or dead-letter reasons, never an exception."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.intake import MAX_PAYLOAD_BYTES, Entry, parse_entry
+
+SERVED = frozenset({"tiny", "smollm2-135m"})
+
+
+def entry(fields) -> Entry:
+    return Entry("p:jobs:normal", "normal", "1-0", fields)
+
+
+def parse(payload) -> object:
+    return parse_entry(entry({b"job": payload}), SERVED)
+
+
+def test_valid_entry():
+    p = parse(json.dumps({"id": "j1", "prompt": "hi", "model": "tiny"}).encode())
+    assert p.ok and p.job_id == "j1" and p.req.max_tokens == 16
+
+
+def test_each_kind_of_bad_input():
+    cases = {
+        b'{"id": "a1", "prompt": "x",': ("a1", "not valid JSON"),
+        b'{"id": "a2", "prompt": "\xff\xfe"}': ("a2", "not valid UTF-8: byte 0xff at offset 24"),
+        b'{"id": "a3", "prompt": 12}': ("a3", "prompt: Input should be a valid string"),
+        b'{"id": "a4", "prompt": "x", "max_tokens": -1}': ("a4", "max_tokens: Input should be"),
+        b'{"id": "a5", "prompt": "x", "model": "gpt"}': ("a5", "model 'gpt' is not served"),
+        b'{"id": "a6", "prompt": "x", "bogus": 1}': ("a6", "unknown field 'bogus'"),
+        b'{"id": "a7", "prompt": "' + b"x" * 1_000_001 + b'"}': ("a7", "at most 1000000"),
+    }
+    for raw, (job_id, msg) in cases.items():
+        p = parse(raw)
+        assert not p.ok and p.job_id == job_id and p.dead_reason is None
+        assert msg in p.error.message, (raw[:60], p.error.message)
+    assert parse(b'{"id": "a5", "prompt": "x", "model": "gpt"}').error.code == "unknown_model"
+
+
+def test_unrecoverable_entries_are_dead_lettered():
+    assert "no 'job' field" in parse_entry(entry({b"foo": b"bar"}), SERVED).dead_reason
+    assert "JSON object" in parse(b"[1, 2]").dead_reason
+    assert "missing 'id'" in parse(b'{"prompt": "x"}').dead_reason
+    assert "invalid 'id'" in parse(b'{"id": "has space", "prompt": "x"}').dead_reason
+    assert parse(b"\xff\x00garbage").dead_reason.startswith("job is not valid UTF-8")
+    assert "not valid JSON" in parse(b"not json at all").dead_reason
+    assert "nested too deeply" in parse(b"[" * 100_000 + b"]" * 100_000).dead_reason
+    big = b'{"id": "big", "prompt": "' + b"y" * MAX_PAYLOAD_BYTES + b'"}'
+    assert "bytes; the limit is" in parse(big).error.message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids,
+                                                              max_size=4),
+    max_leaves=12)
+fields = st.sampled_from(["id", "prompt", "messages", "max_tokens", "temperature", "model", "n",
+                          "top_k", "stop", "seed", "priority", "deadline", "v", "junk"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(fields, json_values, max_size=8) | json_values | st.binary(max_size=200))
+def test_parse_never_raises_and_always_explains(obj):
+    raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    p = parse(raw)
+    if p.ok:
+        assert p.req.id == p.job_id
+    elif p.job_id:
+        assert p.error.code in ("invalid_request", "unknown_model") and p.error.message
+    else:
+        assert p.dead_reason
