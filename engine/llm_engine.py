@@ -193,7 +193,7 @@ class LLMEngine:
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop,
-                p.include_stop_str_in_output)
+                p.include_stop_str_in_output, min_tokens=p.min_tokens)
         reason = None
         if not p.ignore_eos and tok in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
             reason = "stop"
@@ -203,7 +203,7 @@ class LLMEngine:
             text = ""
         else:
             text, stop_str = seq.detokenizer.add([tok])
-            if stop_str is not None and seq.num_output_tokens >= p.min_tokens:
+            if stop_str is not None:
                 reason, seq.stop_reason = "stop", stop_str
         if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
