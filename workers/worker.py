@@ -255,8 +255,8 @@ class Worker:
         tries = 0
         while attempts is None or tries < attempts:
             tries += 1
-            if self.stopping and time.monotonic() >= self.drain_deadline:
-                return
+            if self.stopping and (not self.inflight or time.monotonic() >= self.drain_deadline):
+                return  # nothing left worth waiting for Redis
             try:
                 self.r.ping()
                 ensure_groups(self.r, self.keys)
