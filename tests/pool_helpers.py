@@ -12,6 +12,7 @@ from pathlib import Path
 
 import redis
 
+from producer import Client
 from schemas import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,3 +88,40 @@ def stop_proc(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def offline(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]:
+    """The same requests through LLM.generate (chat prompts built exactly like LLM.chat)."""
+    from engine import SamplingParams
+    from schemas import JobRequest
+
+    eng = llm.llm_engine
+    prompts, params = [], []
+    for s in specs:
+        req = JobRequest.model_validate({k if k != "job_id" else "id": v for k, v in s.items()})
+        if req.messages:
+            text = eng.apply_chat_template([m.model_dump() for m in req.messages])
+            prompts.append({"prompt_token_ids": eng.tokenizer(text, add_special_tokens=False)
+                            ["input_ids"]})
+        else:
+            prompts.append(req.prompt)
+        params.append(SamplingParams(**req.sampling_kwargs()))
+    outs = llm.generate(prompts, params)
+    return {s["job_id"]: (o.outputs[0].text, list(o.outputs[0].token_ids))
+            for s, o in zip(specs, outs)}
+
+
+def collect(client: Client, jobs) -> dict[str, tuple[str, object]]:
+    out = {}
+    for job in jobs:
+        streamed = "".join(e.text for e in job.stream(timeout=300))
+        out[job.id] = (streamed, job.result())
+    return out
+
+
+def check(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for job_id, (streamed, res) in got.items():
+        assert res.error is None, (job_id, res.error)
+        assert streamed == res.text == want[job_id][0], job_id
+        assert res.token_ids == want[job_id][1], job_id

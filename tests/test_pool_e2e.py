@@ -14,8 +14,8 @@ import pytest
 
 from producer import Client
 from schemas import parse_event
-from tests.pool_helpers import (drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for,
-                                workers_alive)
+from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker,
+                                stop_proc, wait_for, workers_alive)
 
 WORDS = "river stone lamp harbor winter signal copper garden market cloud engine paper".split()
 
@@ -36,27 +36,6 @@ def job_spec(i: int) -> dict:
     elif kind == 4:
         spec.update(priority=(i % 3) - 1, stop=["Diary"], ignore_eos=True)
     return spec
-
-
-def offline(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]:
-    """The same requests through LLM.generate (chat prompts built exactly like LLM.chat)."""
-    from engine import SamplingParams
-    from schemas import JobRequest
-
-    eng = llm.llm_engine
-    prompts, params = [], []
-    for s in specs:
-        req = JobRequest.model_validate({k if k != "job_id" else "id": v for k, v in s.items()})
-        if req.messages:
-            text = eng.apply_chat_template([m.model_dump() for m in req.messages])
-            prompts.append({"prompt_token_ids": eng.tokenizer(text, add_special_tokens=False)
-                            ["input_ids"]})
-        else:
-            prompts.append(req.prompt)
-        params.append(SamplingParams(**req.sampling_kwargs()))
-    outs = llm.generate(prompts, params)
-    return {s["job_id"]: (o.outputs[0].text, list(o.outputs[0].token_ids))
-            for s, o in zip(specs, outs)}
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +65,6 @@ def pool(redis_url, tmp_path):
     for p in procs:
         stop_proc(p)
     drop_prefix(redis_url, prefix)
-
-
-def collect(client: Client, jobs) -> dict[str, tuple[str, object]]:
-    out = {}
-    for job in jobs:
-        streamed = "".join(e.text for e in job.stream(timeout=300))
-        out[job.id] = (streamed, job.result())
-    return out
-
-
-def check(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for job_id, (streamed, res) in got.items():
-        assert res.error is None, (job_id, res.error)
-        assert streamed == res.text == want[job_id][0], job_id
-        assert res.token_ids == want[job_id][1], job_id
 
 
 def test_200_jobs_4_producers_2_workers(redis_url, pool, tiny_llama_path, tiny_llm):
