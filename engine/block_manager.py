@@ -172,6 +172,13 @@ class BlockManager:
 
     def free(self, seq) -> None:
         """Drop seq's references; tail blocks first so they are evicted before shared prefixes."""
+        # Fix: allocate_slots registers a block's hash before its K/V is written. A sequence
+        # preempted in the very step it was scheduled frees blocks registered for tokens that
+        # were never computed (index >= num_computed // block_size); kept cached they would later
+        # serve garbage K/V. Forget those hashes (after a normal step no such block exists).
+        for bid in seq.block_table[seq.num_computed_tokens // self.block_size:]:
+            if self.blocks[bid].hash is not None:
+                self._evict(bid)
         for bid in reversed(seq.block_table):
             blk = self.blocks[bid]
             blk.ref_count -= 1

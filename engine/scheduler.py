@@ -98,9 +98,14 @@ class Scheduler:
                 if refund is None:
                     return
                 budget += refund
-            cached = self.bm.find_cached_blocks(seq.token_ids)
-            num_new = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
-            while not self.bm.allocate_slots(seq, num_new, cached):
+            while True:
+                # Fix: look up again after each preemption; a victim preempted in the step it
+                # was scheduled drops its never-computed blocks from the cache (and the budget
+                # grew by the refund), so an earlier lookup may be stale.
+                cached = self.bm.find_cached_blocks(seq.token_ids)
+                num_new = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
+                if self.bm.allocate_slots(seq, num_new, cached):
+                    break
                 refund = self._preempt_lower(seq, out)
                 if refund is None:
                     return
@@ -122,13 +127,22 @@ class Scheduler:
         victim = max(self.running, key=lambda s: s.sort_key)
         if victim.priority <= seq.priority:
             return None
+        # Fix: the victim may already be scheduled this step, and a sequence admitted after it
+        # may have adopted (prefix hit) a block the victim was going to write this step. With
+        # the victim gone nobody writes that block, so such adopters are preempted too.
         refund = 0
-        for k, (s, n) in enumerate(out.scheduled):
-            if s is victim:
-                refund = n
-                del out.scheduled[k]
-                break
-        self._preempt(victim, out)
+        victims = [victim]
+        while victims:
+            v = victims.pop()
+            if v not in self.running:
+                continue
+            n = next((n for s, n in out.scheduled if s is v), None)
+            if n is not None:
+                out.scheduled = [(s, k) for s, k in out.scheduled if s is not v]
+                refund += n
+                unwritten = set(v.block_table[v.num_computed_tokens // self.bm.block_size:])
+                victims += [s for s, _ in out.scheduled if unwritten & set(s.block_table)]
+            self._preempt(v, out)
         return refund
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
