@@ -17,6 +17,8 @@ COMMANDS: dict[str, str] = {
     "status": "producer.cli:register_status",
     "worker": "workers.worker_cli:register_worker",
     "demo": "workers.demo:register",
+    "batch": "producer.cli_bulk:register_batch",
+    "gateway": "producer.cli_bulk:register_gateway",
 }
 
 

@@ -1,0 +1,274 @@
+"""OpenAI-compatible HTTP gateway: requests become queue jobs; tokens come back from job streams.
+
+Needs fastapi + uvicorn (the `gateway` extra); `import producer` never imports this module.
+The gateway holds no model: it validates, enqueues through the AsyncClient, and relays the job's
+event stream, so any number of gateways can front one pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Iterable, Optional
+
+import redis.asyncio as aredis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas import LANES, Keys
+
+from .aio import AsyncClient, AsyncJob
+from .config import key_prefix, redis_url
+from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body,
+                            error_from_event, final_chunks, parse_body)
+
+GATEWAY_PRIORITY = -1  # HTTP callers are waiting: the interactive lane, which workers read first
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_background: set[asyncio.Task] = set()  # strong refs so fire-and-forget cancels are not GC'd
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+class Gateway:
+    def __init__(self, url: Optional[str], prefix: Optional[str], api_keys: Iterable[str],
+                 max_queue_depth: Optional[int], priority: int, default_model: Optional[str],
+                 max_connections: int):
+        self.url, self.keys = redis_url(url), Keys(key_prefix(prefix))
+        self.api_keys = [k.encode() for k in api_keys if k]
+        self.max_queue_depth, self.priority = max_queue_depth, priority
+        self.default_model, self.max_connections = default_model, max_connections
+        self.client: Optional[AsyncClient] = None
+
+    async def start(self) -> None:
+        # A blocking pool: each streaming request holds a connection in XREAD BLOCK, and past
+        # the cap requests should wait for one rather than fail.
+        pool = aredis.BlockingConnectionPool.from_url(
+            self.url, max_connections=self.max_connections, timeout=None, decode_responses=True)
+        self.client = AsyncClient(self.url, self.keys.prefix,
+                                  redis_client=aredis.Redis(connection_pool=pool))
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def authorize(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer ") or not auth[7:].strip():
+            raise APIError(401, "You didn't provide an API key. Send it in the Authorization "
+                                "header as 'Bearer KEY'.", code="invalid_api_key")
+        given = auth[7:].strip().encode()
+        if not any(hmac.compare_digest(given, k) for k in self.api_keys):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def queue_depth(self) -> int:
+        """Entries no worker has picked up yet, over all lanes (pending ones are being served)."""
+        r = self.client.redis
+        pipe = r.pipeline(transaction=False)
+        for lane in LANES:
+            pipe.xlen(self.keys.jobs(lane))
+            pipe.xinfo_groups(self.keys.jobs(lane))
+        out = await pipe.execute(raise_on_error=False)
+        depth = 0
+        for length, groups in zip(out[0::2], out[1::2]):
+            pending = 0
+            if isinstance(groups, list):
+                pending = sum(int(g["pending"]) for g in groups if g["name"] == self.keys.group)
+            depth += max(0, int(length if isinstance(length, int) else 0) - pending)
+        return depth
+
+    async def models(self) -> list[dict]:
+        r = self.client.redis
+        infos = await r.hgetall(self.keys.workers)
+        pipe = r.pipeline(transaction=False)
+        for name in infos:
+            pipe.exists(self.keys.worker(name))
+        alive = await pipe.execute() if infos else []
+        seen: dict[str, int] = {}
+        for (name, doc), up in zip(infos.items(), alive):
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                info = json.loads(doc)
+                for model in str(info.get("model") or "").split(","):
+                    if up and model:
+                        seen.setdefault(model, int(info.get("started") or 0))
+        return [{"id": m, "object": "model", "created": c, "owned_by": "genpool"}
+                for m, c in sorted(seen.items())]
+
+    async def complete(self, request: Request, kind: str) -> Response:
+        self.authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        req = parse_body(kind, body, priority=self.priority, default_model=self.default_model)
+        if self.max_queue_depth is not None:
+            depth = await self.queue_depth()
+            if depth > self.max_queue_depth:
+                raise APIError(429, f"the queue holds {depth} waiting jobs (limit "
+                                    f"{self.max_queue_depth}); retry later",
+                               type_="rate_limit_exceeded", code="queue_full")
+        job = await self.client.submit(**req.kwargs)
+        if req.stream:
+            return StreamingResponse(self.sse(request, job, req), headers=SSE_HEADERS,
+                                     media_type="text/event-stream")
+        try:
+            res = await until_disconnect(request, job.result())
+        except ClientGone:
+            await job.cancel()
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed" code
+        if res.error is not None:
+            raise error_from_event(res.error)
+        return JSONResponse(completion_body(req, res))
+
+    async def sse(self, request: Request, job: AsyncJob, req: OpenAIRequest
+                  ) -> AsyncIterator[str]:
+        created, finished = int(time.time()), False
+        try:
+            if req.kind == "chat":  # OpenAI opens every choice with the assistant role
+                for i in range(req.kwargs.get("n", 1)):
+                    yield sse(chunk_body(req, job.id, created, i, role=True))
+            async for ev in iterate_until_disconnect(request, job.stream()):
+                if ev.type == "restart":
+                    # Text already sent cannot be taken back; stop rather than send a mix.
+                    yield sse(APIError(500, "the job was rerun after a worker failure and its "
+                                            "new output differs from what was streamed; retry",
+                                       "server_error", code="restarted").body())
+                    return
+                if ev.text:
+                    yield sse(chunk_body(req, job.id, created, ev.index, text=ev.text))
+            res = await job.result()
+            finished = True
+            chunks = ([error_from_event(res.error).body()] if res.error is not None
+                      else final_chunks(req, res, created))
+            for c in chunks:
+                yield sse(c)
+            yield "data: [DONE]\n\n"
+        except ClientGone:
+            pass
+        finally:
+            if not finished:  # the reader left (or the stream broke): free the worker's slot
+                background(job.cancel())
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def background(coro: Awaitable) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read, so receive() only reports
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race(aw: Awaitable, watcher: asyncio.Future) -> Any:
+    task = asyncio.ensure_future(aw)
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+async def until_disconnect(request: Request, aw: Awaitable) -> Any:
+    """Await `aw`; raise ClientGone (cancelling `aw`) if the client disconnects first."""
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        return await _race(aw, watcher)
+    finally:
+        watcher.cancel()
+
+
+async def iterate_until_disconnect(request: Request, ait: AsyncIterator) -> AsyncIterator:
+    """Items of `ait` until it ends; ClientGone as soon as the client disconnects, even while
+    no item is coming (a queued job sends nothing for a long time)."""
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    it = ait.__aiter__()
+    try:
+        while True:
+            try:
+                item = await _race(it.__anext__(), watcher)
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        watcher.cancel()
+
+
+def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
+               api_keys: Iterable[str] = (), max_queue_depth: Optional[int] = None,
+               priority: int = GATEWAY_PRIORITY, default_model: Optional[str] = None,
+               max_connections: int = 1000) -> FastAPI:
+    gw = Gateway(url, prefix, api_keys, max_queue_depth, priority, default_model,
+                 max_connections)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await gw.start()
+        yield
+        await gw.stop()
+
+    app = FastAPI(title="genpool gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+    _error_handlers(app)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        gw.authorize(request)
+        return {"object": "list", "data": await gw.models()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        gw.authorize(request)
+        found = [m for m in await gw.models() if m["id"] == model_id]
+        if not found:
+            raise APIError(404, f"The model '{model_id}' does not exist", param="model",
+                           code="model_not_found")
+        return found[0]
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await gw.complete(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await gw.complete(request, "completion")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape, including FastAPI's own 404 / 405 / 422."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_req, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_req, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail),
+                       "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_req, exc: RequestValidationError):
+        return JSONResponse(APIError(400, str(exc.errors())).body(), status_code=400)

@@ -1,0 +1,228 @@
+"""OpenAI API shapes <-> genpool jobs, shared by the HTTP gateway and the batch runner.
+
+Request bodies become `Client.submit` keyword arguments (validated here, so a bad request fails at
+the edge with an OpenAI-shaped 400 instead of reaching a worker); job results become
+`chat.completion` / `text_completion` bodies and streaming chunks. No I/O, no FastAPI.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from schemas import ErrorEvent, JobResult, Usage
+
+from .protocol import build_request
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# OpenAI's completions default is 16 tokens; chat has no fixed default, and 16 cuts most answers.
+DEFAULT_MAX_TOKENS = {"chat": 256, "completion": 16}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+          "frequency_penalty", "stream", "stream_options",
+          # vLLM-style extensions (the engine supports them; OpenAI clients send them via extra_body)
+          "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+          "priority"}
+ONLY = {"chat": {"messages", "max_completion_tokens"}, "completion": {"prompt"}}
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+# Features accepted only at their "off" value: a caller relying on them must hear "no", not get
+# a silently different answer.
+OFF_VALUES: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "suffix": (None,),
+    "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+}
+# Worker error codes -> (HTTP status, OpenAI error type, OpenAI error code).
+ERROR_STATUS = {
+    "invalid_request": (400, "invalid_request_error", "invalid_request"),
+    "unknown_model": (404, "invalid_request_error", "model_not_found"),
+    "expired": (408, "invalid_request_error", "expired"),
+    "cancelled": (409, "invalid_request_error", "cancelled"),
+    "dead_lettered": (500, "server_error", "dead_lettered"),
+    "internal": (500, "server_error", "internal"),
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's body shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type_,
+                                                                       param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def error_from_event(ev: ErrorEvent) -> APIError:
+    status, type_, code = ERROR_STATUS.get(ev.code, (500, "server_error", ev.code))
+    return APIError(status, ev.message, type_, None, code)
+
+
+@dataclass
+class OpenAIRequest:
+    kind: str  # "chat" | "completion"
+    kwargs: dict  # Client.submit keyword arguments
+    model: str  # echoed back in responses
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Optional[str] = None,
+               job_id: Optional[str] = None) -> OpenAIRequest:
+    """Validate an OpenAI request body; raises APIError(400) naming the offending parameter."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    _check_keys(kind, body)
+    kw: dict[str, Any] = {k: body[k] for k in COMMON - {"stream", "stream_options"}
+                          if body.get(k) is not None}
+    if kind == "chat":
+        kw["messages"] = _messages(body.get("messages"))
+        if body.get("max_completion_tokens") is not None:
+            kw["max_tokens"] = body["max_completion_tokens"]
+    else:
+        kw["prompt"] = _prompt(body.get("prompt"))
+    kw.setdefault("max_tokens", DEFAULT_MAX_TOKENS[kind])
+    kw.setdefault("priority", priority)
+    if default_model and "model" not in kw:
+        kw["model"] = default_model
+    kw["job_id"] = job_id or uuid.uuid4().hex
+    _validate(kw)
+    stream, opts = body.get("stream", False), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, "stream must be a boolean", param="stream")
+    if opts is not None and not (isinstance(opts, dict)
+                                 and isinstance(opts.get("include_usage", False), bool)):
+        raise APIError(400, "stream_options must be an object like {\"include_usage\": true}",
+                       param="stream_options")
+    return OpenAIRequest(kind, kw, str(kw.get("model") or "genpool"), bool(stream),
+                         bool((opts or {}).get("include_usage")))
+
+
+def _check_keys(kind: str, body: dict) -> None:
+    allowed = COMMON | ONLY[kind] | IGNORED
+    for key, value in body.items():
+        if key in OFF_VALUES:
+            if value not in OFF_VALUES[key]:
+                raise APIError(400, f"{key} is not supported by genpool", param=key,
+                               code="unsupported_parameter")
+        elif key not in allowed:
+            raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key,
+                           code="unknown_parameter")
+
+
+def _messages(raw: Any) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise APIError(400, "messages must be a non-empty array", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object", param=f"messages.{i}")
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        out.append({"role": role, "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> Any:
+    """Text content parts are joined; anything but text is refused rather than dropped."""
+    if not isinstance(content, list):
+        return content  # strings pass; other types get the schema's message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise APIError(400, "only text content parts are supported",
+                           param=f"messages.{i}.content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _prompt(raw: Any) -> Any:
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+        return raw[0]
+    if isinstance(raw, list):
+        raise APIError(400, "prompt must be a single string: send one request per prompt "
+                            "(token-id prompts are not supported)", param="prompt")
+    if raw is None:
+        raise APIError(400, "prompt is required", param="prompt")
+    return raw
+
+
+def _validate(kw: dict) -> None:
+    try:
+        build_request(**kw)
+    except ValueError as e:
+        cause = e.__cause__
+        param = None
+        if isinstance(cause, ValidationError) and cause.errors():
+            param = ".".join(str(p) for p in cause.errors()[0]["loc"]) or None
+        message = str(e).removeprefix("invalid job request: ")
+        raise APIError(400, message, param=param, code="invalid_value") from None
+
+
+def usage_body(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def response_id(kind: str, job_id: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
+
+
+def _finish(reason: Optional[str]) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] = None) -> dict:
+    """A `chat.completion` or `text_completion` body for a successful job."""
+    choices = res.choices or [_single(res)]
+    body = {"id": response_id(req.kind, res.id), "created": created or int(time.time()),
+            "model": req.model, "system_fingerprint": None, "usage": usage_body(res.usage)}
+    if req.kind == "chat":
+        body["object"] = "chat.completion"
+        body["choices"] = [{"index": c.index, "logprobs": None,
+                            "finish_reason": _finish(c.finish_reason),
+                            "message": {"role": "assistant", "content": c.text}} for c in choices]
+    else:
+        body["object"] = "text_completion"
+        body["choices"] = [{"index": c.index, "text": c.text, "logprobs": None,
+                            "finish_reason": _finish(c.finish_reason)} for c in choices]
+    return body
+
+
+def _single(res: JobResult):
+    from schemas import Choice
+
+    return Choice(index=0, text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason)
+
+
+def chunk_body(req: OpenAIRequest, job_id: str, created: int, index: int, *, text: str = "",
+               role: bool = False, finish_reason: Optional[str] = None) -> dict:
+    """One streaming chunk in OpenAI's shape (`delta` for chat, `text` for completions)."""
+    if req.kind == "chat":
+        delta: dict = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": response_id(req.kind, job_id), "object": obj, "created": created,
+            "model": req.model, "system_fingerprint": None, "choices": [choice]}
+
+
+def final_chunks(req: OpenAIRequest, res: JobResult, created: int) -> list[dict]:
+    """The closing chunks: one finish_reason per choice, then usage when it was asked for."""
+    out = [chunk_body(req, res.id, created, c.index, finish_reason=_finish(c.finish_reason))
+           for c in (res.choices or [_single(res)])]
+    if req.include_usage:
+        out.append({**chunk_body(req, res.id, created, 0), "choices": [],
+                    "usage": usage_body(res.usage)})
+    return out
