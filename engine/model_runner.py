@@ -56,8 +56,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, SimpleNamespace, list[int]]:
         """scheduled: [(seq, num_new)] -> input ids [T], positions [T], attention meta, and the
@@ -97,4 +97,4 @@ class ModelRunner:
         if not logit_rows:
             return torch.empty(0, self.args.vocab_size)
         rows = torch.tensor(logit_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu()
+        return self.model.compute_logits(hidden.index_select(0, rows)).cpu()

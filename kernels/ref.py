@@ -27,7 +27,8 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     """[num_blocks, bs, Hkv, D] + block ids -> [length, Hkv, D] (a copy)."""
     bs = cache.shape[1]
     nb = (length + bs - 1) // bs
-    return cache[table[:nb].to(torch.long)].reshape(nb * bs, *cache.shape[2:])[:length]
+    # index_select, not cache[idx]: advanced indexing on CPU is ~1000x slower here.
+    return cache.index_select(0, table[:nb].to(torch.long)).reshape(nb * bs, *cache.shape[2:])[:length]
 
 
 def _decode_rows(q, k_cache, v_cache, tables, lens, scale):
@@ -35,9 +36,10 @@ def _decode_rows(q, k_cache, v_cache, tables, lens, scale):
     bs = k_cache.shape[1]
     max_len = int(lens.max())
     nb = (max_len + bs - 1) // bs
-    idx = tables[:, :nb].to(torch.long)
-    k = k_cache[idx].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
-    v = v_cache[idx].flatten(1, 2).transpose(1, 2)
+    idx = tables[:, :nb].to(torch.long).reshape(-1)
+    shape = (lens.shape[0], nb * bs, *k_cache.shape[2:])
+    k = k_cache.index_select(0, idx).view(shape).transpose(1, 2)  # [B, Hkv, nb*bs, D]
+    v = v_cache.index_select(0, idx).view(shape).transpose(1, 2)
     pos = torch.arange(nb * bs, device=q.device)
     mask = (pos[None, :] < lens[:, None].to(q.device))[:, None, None, :]  # [B,1,1,S]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
@@ -70,10 +72,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if len(decode) == len(q_lens):  # pure decode step: rows are already in order
+        return _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
         sel = torch.tensor(decode, device=q.device)
-        out[rows] = _decode_rows(q[rows], k_cache, v_cache, block_tables[sel], seq_lens[sel], scale)
+        res = _decode_rows(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, sel),
+                           seq_lens.index_select(0, sel), scale)
+        out.index_copy_(0, rows, res)
     lens = seq_lens.tolist()
     for i, n in enumerate(q_lens):
         if n > 1:
@@ -95,7 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox / HF rotate_half rotary embedding; cos_sin [max_pos, D] = [cos | sin] halves."""
-    cs = cos_sin[positions.to(torch.long)]  # [T, D]
+    cs = cos_sin.index_select(0, positions.to(torch.long))  # [T, D]
     half = cs.shape[-1] // 2
     cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, D/2]
 
