@@ -11,17 +11,22 @@ counted). Timing excludes model loading and a warm-up; the same prompt_token_ids
 """
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import os
-import platform
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run as a script, this folder is sys.path[0]; its modules (e.g. benchmarks/queue.py) would shadow
+# the stdlib. Import through the repo root instead.
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -186,13 +191,13 @@ def main(argv=None) -> int:
             if not args.skip_hf_single:
                 print(f"[{dtype}] (a) HF one at a time ...", flush=True)
                 dt, toks, gens = run_hf_single(model, eos_ids, reqs)
-                rows.append(dict(system="hf-single", dtype=dtype, seconds=dt, tokens=sum(toks)))
+                rows.append(dict(system="hf-single", dtype=dtype, seconds=dt, tokens=sum(toks), per_request_tokens=toks))
                 ref["hf-single"] = gens
             if not args.skip_hf_batched:
                 print(f"[{dtype}] (b) HF static batches of {args.hf_batch_size} ...", flush=True)
                 dt, toks, gens = run_hf_batched(model, eos_ids, reqs, args.hf_batch_size)
                 rows.append(dict(system=f"hf-batch{args.hf_batch_size}", dtype=dtype, seconds=dt,
-                                 tokens=sum(toks)))
+                                 tokens=sum(toks), per_request_tokens=toks))
                 ref["hf-batched"] = gens
             del model
             gc.collect()
@@ -203,7 +208,7 @@ def main(argv=None) -> int:
             except ImportError as e:
                 print(f"  engine unavailable: {e}", flush=True)
             else:
-                rows.append(dict(system="genpool", dtype=dtype, seconds=dt, tokens=sum(toks)))
+                rows.append(dict(system="genpool", dtype=dtype, seconds=dt, tokens=sum(toks), per_request_tokens=toks))
                 ref["genpool"] = gens
                 info["engine_stats"] = stats
                 if isinstance(stats, dict) and stats.get("decode_step_time_mean") is not None:

@@ -8,10 +8,18 @@ Same seed + same tokenizer -> identical prompt_token_ids for every system measur
 """
 from __future__ import annotations
 
-import random
-import re
-import statistics
-from dataclasses import dataclass, field
+import os
+import sys
+
+if __name__ == "__main__":  # as a script: don't let this folder's modules shadow the stdlib
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+import random  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 
 PARAGRAPHS = [
     "The Roman aqueducts carried water across valleys and through hills for hundreds of kilometres. "
@@ -174,10 +182,7 @@ def workload_stats(reqs: list[WorkloadRequest]) -> dict:
 if __name__ == "__main__":
     import argparse
     import json
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from transformers import AutoTokenizer
 
     from engine.models.registry import resolve_model
