@@ -206,3 +206,12 @@ def test_high_lane_overtakes_a_full_engine(env):
         assert done_before <= 2
         for j in bulk:
             j.stop_waiting = j.result(timeout=30)
+
+
+def test_lane_streams_deleted_under_a_running_worker(env):
+    url, prefix, c = env
+    with worker_thread(FakeEngine(), url, prefix):
+        assert c.submit("a", max_tokens=2).result(timeout=10).ok
+        c.redis.delete(*c.keys.all_jobs())  # groups gone: the worker gets NOGROUP
+        time.sleep(0.5)
+        assert c.submit("b", max_tokens=2).result(timeout=10).text == expected_for_prompt("b", 2)

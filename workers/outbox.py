@@ -8,7 +8,6 @@ resend: every affected job gets a `restart` plus its whole text so far, then its
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -108,18 +107,26 @@ class Outbox:
             self.error(job_id, entry, ErrorEvent(code="dead_lettered", message=reason))
 
     # -- sending -------------------------------------------------------------------------
-    def flush(self, r) -> None:
-        """Send everything in one MULTI round trip. Raises redis errors on connection loss."""
-        if not self.ops:
+    def take(self) -> list[_Op]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def send(self, r, ops: list[_Op]) -> None:
+        """Send `ops` in one MULTI round trip. Raises redis errors on connection loss."""
+        if not ops:
             return
         pipe = r.pipeline(transaction=True)
-        for op in self.ops:
+        for op in ops:
             op.apply(pipe)
         results = pipe.execute(raise_on_error=False)
-        self.ops = []
         bad = [res for res in results if isinstance(res, Exception)]
         if bad:  # e.g. WRONGTYPE on a key a client clobbered; the rest of the MULTI still ran
             log.error("%d of %d writes failed this step; first: %s", len(bad), len(results), bad[0])
+
+    def flush(self, r) -> None:
+        """Send everything now (on failure the ops stay queued for after_failure)."""
+        self.send(r, self.ops)
+        self.ops = []
 
     def after_failure(self, live: list[InFlight]) -> None:
         """The last flush may or may not have landed: make a resend idempotent for readers."""
@@ -133,6 +140,3 @@ class Outbox:
                 self.token(job.id, ev)
         self.ops += keep
 
-
-def dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"))

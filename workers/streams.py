@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from typing import Iterable
 
 import redis
 
@@ -28,6 +28,27 @@ if ARGV[5] ~= 'run' then return {'check', ''} end
 if redis.call('HGET', KEYS[1], 'cancel') == '1' then return {'cancelled', ''} end
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'started_at', ARGV[3])
 return {'run', tostring(redis.call('HINCRBY', KEYS[1], 'attempts', 1))}
+"""
+
+
+# Read new entries lane by lane in ONE round trip, never more than the worker can hold: the high
+# lane up to ARGV[3] (it may exceed capacity so interactive work can preempt), then normal, then
+# low, sharing what is left of ARGV[4]. (Separate XREADGROUPs would need one round trip each, and
+# one multi-stream XREADGROUP applies COUNT per stream, over-pulling.)
+# KEYS: high, normal, low lane streams; ARGV: group, consumer, high count, capacity.
+READ_LUA = """
+local out, free = {}, tonumber(ARGV[4])
+local function take(key, n)
+  if n <= 0 then return 0 end
+  local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', key, '>')
+  if not r then return 0 end
+  table.insert(out, r[1])
+  return #r[1][2]
+end
+free = free - take(KEYS[1], tonumber(ARGV[3]))
+free = free - take(KEYS[2], free)
+take(KEYS[3], free)
+return out
 """
 
 
@@ -57,13 +78,15 @@ def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:
     return out
 
 
-def read_lanes(pipe, keys: Keys, worker: str, counts: dict[str, int],
-               block_ms: Optional[int] = None) -> None:
-    """Queue one XREADGROUP per lane with a positive count on `pipe` (or client)."""
-    for lane in LANES:
-        if counts.get(lane, 0) > 0:
-            pipe.xreadgroup(keys.group, worker, {keys.jobs(lane): ">"}, count=counts[lane],
-                            block=block_ms)
+def entries_from_script(reply, keys: Keys) -> list[Entry]:
+    """READ_LUA's reply: like XREADGROUP's, but with fields as flat [k, v, k, v, ...] lists."""
+    out = []
+    for stream, items in reply or []:
+        stream = s(stream)
+        for entry_id, flat in items:
+            fields = dict(zip(flat[0::2], flat[1::2])) if flat else {}
+            out.append(Entry(stream, keys.lane_of_stream(stream), s(entry_id), fields))
+    return out
 
 
 def refresh_claims(r: redis.Redis, keys: Keys, worker: str, entries: Iterable[Entry]) -> None:
@@ -117,3 +140,31 @@ def own_pending(r: redis.Redis, keys: Keys, worker: str, limit: int) -> list[Ent
             e.deliveries = counts.get(e.entry_id, 2)
         out += got
     return out
+
+
+class ControlReader:
+    """Follows the broadcast control stream (every worker sees every cancel) with XREAD."""
+
+    def __init__(self, keys: Keys):
+        self.keys, self.cursor = keys, "0-0"
+
+    def start_at_tail(self, r: redis.Redis) -> None:
+        # Cancels sent before this worker existed are covered by the job hash's cancel flag.
+        last = r.xrevrange(self.keys.control, count=1)
+        self.cursor = last[0][0] if last else "0-0"
+
+    def queue_read(self, pipe) -> None:
+        pipe.xread({self.keys.control: self.cursor}, count=1000)
+
+    def read(self, r: redis.Redis) -> list[str]:
+        return self.cancels(r.xread({self.keys.control: self.cursor}, count=1000))
+
+    def cancels(self, reply) -> list[str]:
+        """Job ids to cancel from an XREAD reply; advances the cursor."""
+        ids = []
+        for _, items in reply or []:
+            for entry_id, fields in items:
+                self.cursor = entry_id
+                if fields.get(b"op") == b"cancel" and fields.get(b"id"):
+                    ids.append(fields[b"id"].decode("utf-8", "replace"))
+        return ids

@@ -11,7 +11,6 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import redis
@@ -24,26 +23,13 @@ from .heartbeat import Heartbeat
 from .intake import Entry
 from .jobstate import InFlight
 from .outbox import Outbox
-from .streams import ensure_groups, entries_from, own_pending, read_lanes, reclaim, refresh_claims
+from .publisher import Publisher
+from .streams import (READ_LUA, ControlReader, ensure_groups, entries_from, entries_from_script,
+                      own_pending, reclaim, refresh_claims)
+from .worker_config import WorkerConfig
 
 log = logging.getLogger("genpool.worker")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-
-
-@dataclass
-class WorkerConfig:
-    name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    served_models: frozenset = frozenset()
-    claim_idle_ms: int = 30_000  # an entry idle this long belongs to a dead worker
-    max_deliveries: int = 3  # a job delivered more often than this is dead-lettered
-    drain_timeout_s: float = 30.0
-    idle_block_ms: int = 200  # XREADGROUP BLOCK while the engine has nothing to do
-    high_burst: int = 4  # high-lane jobs admitted beyond capacity (the engine preempts for them)
-    heartbeat_s: float = 2.0
-    max_inflight: Optional[int] = None  # default: the engine's max_num_seqs
-    events_maxlen: int = 16384
-    result_ttl_s: int = 86400
-    job_ttl_s: int = 7 * 86400
 
 
 class Worker:
@@ -55,17 +41,21 @@ class Worker:
         self.admitter = Admitter(r, keys, self.name, cfg.served_models, self.outbox,
                                  cfg.max_deliveries, cfg.job_ttl_s)
         self.heartbeat = Heartbeat(r, keys, self.name, cfg.heartbeat_s)
+        self.publisher = Publisher(self.outbox, r)
+        self._read = r.register_script(READ_LUA)
         st = engine.stats()
         self.max_seqs = cfg.max_inflight or (st["free_seq_slots"] + st["num_running"]
                                              + st["num_waiting"])
         self.kv_total, self.block_size = st["kv_blocks_total"], st.get("block_size", 16)
         self.steps = 0
         self.started = False
-        self.control_cursor = "$"
+        self.control = ControlReader(keys)
         self.claim_cursors: dict[str, str] = {}
         self.next_upkeep = 0.0
         self.stopping, self.drain_deadline = False, float("inf")
         self.counts = {"done": 0, "failed": 0, "reconnects": 0}
+        # busy loop time vs time inside engine.step(): the queue's overhead, shown in heartbeats
+        self.timing = {"busy_s": 0.0, "engine_s": 0.0}
         self._stop_event = threading.Event()
 
     # -- the loop ------------------------------------------------------------------------
@@ -74,15 +64,21 @@ class Worker:
         while not self.started and not self._done():
             self._guarded(self.start)
         while not self._done():
+            t0 = time.perf_counter()
             self._guarded(self.tick)
+            if self.inflight or self.engine.has_unfinished_requests():
+                self.timing["busy_s"] += time.perf_counter() - t0
         self._release_unfinished()
-        self._guarded(self.finish, attempts=3)
+        for _ in range(3):
+            if self._guarded(self.finish, attempts=3):
+                break
+        self.publisher.close()
         log.info("worker %s stopped: %s", self.name, self.counts)
         return 0
 
     def start(self) -> None:
         ensure_groups(self.r, self.keys)
-        self.control_cursor = self._control_tail()
+        self.control.start_at_tail(self.r)
         self.admit(own_pending(self.r, self.keys, self.name, self.max_seqs))
         self.heartbeat.beat(self.status())
         self.started = True
@@ -100,7 +96,7 @@ class Worker:
     def _done(self) -> bool:
         if not self.stopping:
             return False
-        idle = not self.inflight and not len(self.outbox)
+        idle = not self.inflight and not len(self.outbox) and self.publisher.idle
         return idle or time.monotonic() >= self.drain_deadline
 
     # -- stages --------------------------------------------------------------------------
@@ -110,6 +106,7 @@ class Worker:
         self.next_upkeep = time.monotonic() + min(self.cfg.heartbeat_s,
                                                   self.cfg.claim_idle_ms / 3000)
         self.heartbeat.beat(self.status())
+        self.publisher.wait()  # acks in flight must land first, or we would reclaim our own
         refresh_claims(self.r, self.keys, self.name, [j.entry for j in self.inflight.values()])
         free = self.capacity()
         if not self.stopping and free > 0:
@@ -130,27 +127,23 @@ class Worker:
         """Cancels from the control stream, and new entries sized to what the engine can hold.
         The high lane is read every step, even when full, so interactive work can preempt."""
         free = 0 if self.stopping else self.capacity()
+        entries: list[Entry] = []
+        idle = not (self.inflight or self.engine.has_unfinished_requests() or len(self.outbox))
+        if idle and free > 0:  # nothing to step: wait for work (bounded, so upkeep still runs)
+            entries = self._blocking_read(free)
+            if not entries:
+                return self.control.read(self.r), []
+            free -= len(entries)
+        held = len(self.inflight) + len(entries)
         high = 0 if self.stopping else min(free + self.cfg.high_burst,
-                                           self.max_seqs + self.cfg.high_burst - len(self.inflight))
-        idle = not self.inflight and not self.engine.has_unfinished_requests()
-        if idle and not self.stopping and free > 0:
-            return self._read_control(), self._blocking_read(free)
+                                           self.max_seqs + self.cfg.high_burst - held)
         pipe = self.r.pipeline(transaction=False)
-        pipe.xread({self.keys.control: self.control_cursor}, count=1000)
-        read_lanes(pipe, self.keys, self.name, {"high": high})
-        replies = pipe.execute()
-        cancels = self._cancels_from(replies[0])
-        entries = entries_from(replies[1], self.keys) if high > 0 else []
-        free -= len(entries)
-        for lane in LANES[1:]:  # normal before low, each only with room left
-            if free <= 0:
-                break
-            got = entries_from(self.r.xreadgroup(self.keys.group, self.name,
-                                                 {self.keys.jobs(lane): ">"}, count=free),
-                               self.keys)
-            entries += got
-            free -= len(got)
-        return cancels, entries
+        self.control.queue_read(pipe)
+        self._read(keys=self.keys.all_jobs(), args=[self.keys.group, self.name, max(0, high),
+                                                   max(0, free)], client=pipe)
+        control, lanes = pipe.execute()
+        entries += entries_from_script(lanes, self.keys)
+        return self.control.cancels(control), sorted(entries, key=lambda e: LANES.index(e.lane))
 
     def _blocking_read(self, free: int) -> list[Entry]:
         # One BLOCK call over all lanes; COUNT applies per stream, so split the room three ways.
@@ -160,23 +153,6 @@ class Worker:
                                   block=self.cfg.idle_block_ms)
         entries = entries_from(reply, self.keys)
         return sorted(entries, key=lambda e: LANES.index(e.lane))
-
-    def _read_control(self) -> list[str]:
-        return self._cancels_from(self.r.xread({self.keys.control: self.control_cursor},
-                                               count=1000))
-
-    def _cancels_from(self, reply) -> list[str]:
-        ids = []
-        for _, items in reply or []:
-            for entry_id, fields in items:
-                self.control_cursor = entry_id
-                if fields.get(b"op") == b"cancel" and fields.get(b"id"):
-                    ids.append(fields[b"id"].decode("utf-8", "replace"))
-        return ids
-
-    def _control_tail(self) -> str:
-        last = self.r.xrevrange(self.keys.control, count=1)
-        return last[0][0] if last else "0-0"
 
     def cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
@@ -212,11 +188,14 @@ class Worker:
 
     def step_and_publish(self) -> None:
         if self.engine.has_unfinished_requests():
+            t0 = time.perf_counter()
             outputs = self.engine.step()
+            self.timing["engine_s"] += time.perf_counter() - t0
             self.steps += 1
             for out in outputs:
                 self._collect(out)
-        self.outbox.flush(self.r)
+        self.publisher.wait()  # the previous step's writes (overlapped with this step's compute)
+        self.publisher.submit(self.outbox.take())
 
     def _collect(self, out) -> None:
         job = self.inflight.get(out.request_id)
@@ -235,20 +214,32 @@ class Worker:
             self.counts["done"] += 1
 
     # -- robustness ----------------------------------------------------------------------
-    def _guarded(self, fn, attempts: Optional[int] = None) -> None:
+    def _guarded(self, fn, attempts: Optional[int] = None) -> bool:
         """Run a stage; on Redis loss, reconnect with backoff and keep every job (nothing acked
-        is lost: acks only ever travel with their results)."""
+        is lost: acks only ever travel with their results). True when the stage completed."""
         try:
             fn()
+            return True
         except REDIS_DOWN as e:
             log.warning("Redis connection lost (%s); reconnecting", e)
-            self.outbox.after_failure(list(self.inflight.values()))
+            self._settle_publisher()
             self._reconnect(attempts)
         except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            log.warning("consumer groups vanished (Redis restarted empty?); recreating")
-            ensure_groups(self.r, self.keys)
+            if "NOGROUP" in str(e) or "UNBLOCKED" in str(e):
+                log.warning("lane streams or groups vanished (%s); recreating", e)
+                self._guarded(lambda: ensure_groups(self.r, self.keys))
+            else:  # e.g. a key of the wrong type: keep serving, but loudly and not in a hot loop
+                log.error("Redis refused a command: %s", e)
+                self._stop_event.wait(1.0)
+        return False
+
+    def _settle_publisher(self) -> None:
+        """Let the batch in flight finish or fail (its ops return to the outbox) before the
+        outbox is rebuilt for resending."""
+        try:
+            self.publisher.wait()
+        except REDIS_DOWN:
+            pass
 
     def _reconnect(self, attempts: Optional[int]) -> None:
         delays = backoff(0.1, 5.0)
@@ -293,6 +284,7 @@ class Worker:
             self.inflight.clear()
 
     def finish(self) -> None:
+        self.publisher.wait()
         self.outbox.flush(self.r)
         self.heartbeat.leave()
 
@@ -300,4 +292,4 @@ class Worker:
         return {"model": ",".join(sorted(self.cfg.served_models)), "pid": os.getpid(),
                 "host": socket.gethostname(), "running": len(self.inflight),
                 "state": "draining" if self.stopping else "running", "steps": self.steps,
-                **self.counts}
+                **self.counts, **{k: round(v, 3) for k, v in self.timing.items()}}

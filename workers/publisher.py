@@ -1,0 +1,73 @@
+"""Writes each step's outbox from a background thread while the engine computes the next step.
+
+At most one batch is in flight: the loop hands over step k's writes, runs step k+1 (torch releases
+the GIL, so the Redis round trip overlaps the compute), then waits for batch k before handing over
+batch k+1. A failure therefore surfaces in the loop's own thread at a known point, with the failed
+ops put back in the outbox, and the usual reconnect-and-resend path takes over.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from .outbox import Outbox
+
+
+class Publisher:
+    def __init__(self, outbox: Outbox, r):
+        self.outbox, self.r = outbox, r
+        self._cond = threading.Condition()
+        self._batch: Optional[list] = None
+        self._failed: Optional[tuple[BaseException, list]] = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="genpool-publisher", daemon=True)
+        self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return self._batch is None and self._failed is None
+
+    def submit(self, ops: list) -> None:
+        """Hand over one step's writes (call wait() first: one batch at a time)."""
+        if not ops:
+            return
+        with self._cond:
+            assert self._batch is None, "submit() before the previous batch was waited for"
+            self._batch = ops
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Block until the batch in flight is written; re-raise its failure in this thread after
+        putting its ops back at the front of the outbox."""
+        with self._cond:
+            while self._batch is not None:
+                self._cond.wait()
+            failed, self._failed = self._failed, None
+        if failed is not None:
+            exc, ops = failed
+            self.outbox.ops[:0] = ops
+            raise exc
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._batch is None and not self._closed:
+                    self._cond.wait()
+                if self._batch is None:
+                    return
+                batch = self._batch
+            failed = None
+            try:
+                self.outbox.send(self.r, batch)
+            except BaseException as exc:  # handed to the loop's thread, which decides
+                failed = (exc, batch)
+            with self._cond:
+                self._batch, self._failed = None, failed
+                self._cond.notify_all()
