@@ -86,10 +86,11 @@ class BlockManager:
             self.prefix_cache_hits += num_hit_blocks * self.block_size
 
     # -- allocation ------------------------------------------------------------------------
-    def allocate_slots(self, seq, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate_slots(self, seq, num_new_tokens: int, cached_blocks: list[int] | None = None,
+                       reserve: int = 0) -> bool:
         """Make seq's block table cover num_computed + (cached) + num_new tokens.
 
-        Returns False, changing nothing, when there are not enough free blocks.
+        Returns False, changing nothing, when fewer than the needed blocks + `reserve` are free.
         `cached_blocks` (from find_cached_blocks) are adopted first and mark their tokens computed.
         """
         cached_blocks = cached_blocks or []
@@ -99,7 +100,7 @@ class BlockManager:
         new_needed = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
         cow = self._needs_cow(seq, computed, num_new_tokens)
         revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        if max(new_needed, 0) + cow > self.num_free_blocks - revived:
+        if max(new_needed, 0) + cow + reserve > self.num_free_blocks - revived:
             return False
         for bid in cached_blocks:
             self._take(bid)

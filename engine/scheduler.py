@@ -104,7 +104,7 @@ class Scheduler:
                 # grew by the refund), so an earlier lookup may be stale.
                 cached = self.bm.find_cached_blocks(seq.token_ids)
                 num_new = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
-                if self.bm.allocate_slots(seq, num_new, cached):
+                if self.bm.allocate_slots(seq, num_new, cached, self._admission_reserve()):
                     break
                 refund = self._preempt_lower(seq, out)
                 if refund is None:
@@ -118,6 +118,11 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+
+    def _admission_reserve(self) -> int:
+        """Blocks kept free when admitting a new sequence, so running ones can still grow: without
+        it a tight cache admits a prompt only to preempt it again at the next block boundary."""
+        return min(len(self.running), self.bm.num_blocks // 8)
 
     def _preempt_lower(self, seq: Sequence, out: SchedulerOutput) -> int | None:
         """Preempt the lowest-priority running sequence when its priority value is worse than
