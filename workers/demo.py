@@ -87,5 +87,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
         if not a.keep_worker:
             proc.terminate()
             proc.wait(60)
+            if not a.prefix:  # a throwaway prefix: leave nothing behind
+                _drop_prefix(client)
         if server is not None and not a.keep_worker:
             server.stop()
+
+
+def _drop_prefix(client) -> None:
+    keys = list(client.redis.scan_iter(match=f"{client.keys.prefix}:*", count=1000))
+    for i in range(0, len(keys), 500):
+        client.redis.delete(*keys[i:i + 500])
