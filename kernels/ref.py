@@ -31,8 +31,25 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     return cache.index_select(0, table[:nb].to(torch.long)).reshape(nb * bs, *cache.shape[2:])[:length]
 
 
+DECODE_GROUP = 16  # decode rows per padded SDPA call, after sorting by length
+
+
 def _decode_rows(q, k_cache, v_cache, tables, lens, scale):
-    """q [B, Hq, D], all rows one query token: one padded SDPA over the gathered blocks."""
+    """q [B, Hq, D], all rows one query token. Rows are sorted by kv length and attended in
+    groups so that a short sequence is not padded to the longest one in the batch."""
+    if q.shape[0] <= DECODE_GROUP:
+        return _decode_group(q, k_cache, v_cache, tables, lens, scale)
+    order = torch.argsort(lens)
+    out = torch.empty_like(q)
+    for part in order.split(DECODE_GROUP):
+        res = _decode_group(q.index_select(0, part), k_cache, v_cache, tables.index_select(0, part),
+                            lens.index_select(0, part), scale)
+        out.index_copy_(0, part, res)
+    return out
+
+
+def _decode_group(q, k_cache, v_cache, tables, lens, scale):
+    """One padded SDPA over the gathered blocks of a group of decode rows."""
     bs = k_cache.shape[1]
     max_len = int(lens.max())
     nb = (max_len + bs - 1) // bs
