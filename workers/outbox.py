@@ -17,6 +17,7 @@ from schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
 
 from .intake import Entry
 from .jobstate import InFlight
+from .observe import Observers
 
 log = logging.getLogger("genpool.worker")
 
@@ -40,6 +41,8 @@ class Outbox:
         self.result_ttl_s, self.job_ttl_s = result_ttl_s, job_ttl_s
         self.ops: list[_Op] = []
         self._ttl_set: set[str] = set()  # event streams that already carry a TTL
+        # told of every job's end: result() and error() run once per job, resends never do
+        self.observers = Observers()
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -77,12 +80,14 @@ class Outbox:
         pipe.xdel(entry.stream, entry.entry_id)
 
     def result(self, job: InFlight, ev: ResultEvent) -> None:
+        self.observers.emit("job_finished", job, ev)
         self.ops.append(_Op("final", lambda p: self._finish(p, job.id, job.entry, ev, "done",
                                                             "result"), job))
 
     def error(self, job_id: str, entry: Entry, ev: ErrorEvent,
               job: Optional[InFlight] = None) -> None:
         state = ERROR_STATES.get(ev.code, "error")
+        self.observers.emit("job_failed", job_id, ev, job)
         self.ops.append(_Op("final", lambda p: self._finish(p, job_id, entry, ev, state, "error"),
                             job))
 

@@ -22,6 +22,7 @@ from .admission import Admitter, blocks_needed
 from .heartbeat import Heartbeat
 from .intake import Entry
 from .jobstate import InFlight
+from .observe import Observers
 from .outbox import Outbox
 from .publisher import Publisher
 from .streams import (READ_LUA, ControlReader, ensure_groups, entries_from, entries_from_script,
@@ -38,6 +39,8 @@ class Worker:
         self.name = cfg.name
         self.inflight: dict[str, InFlight] = {}
         self.outbox = Outbox(keys, self.name, cfg.events_maxlen, cfg.result_ttl_s, cfg.job_ttl_s)
+        # metrics / Flower events (workers/observe.py); the outbox reports every job's end
+        self.observers = self.outbox.observers = Observers()
         self.admitter = Admitter(r, keys, self.name, cfg.served_models, self.outbox,
                                  cfg.max_deliveries, cfg.job_ttl_s)
         self.heartbeat = Heartbeat(r, keys, self.name, cfg.heartbeat_s)
@@ -73,6 +76,7 @@ class Worker:
             if self._guarded(self.finish, attempts=3):
                 break
         self.publisher.close()
+        self.observers.emit("worker_stopped", self)
         log.info("worker %s stopped: %s", self.name, self.counts)
         return 0
 
@@ -82,6 +86,7 @@ class Worker:
         self.admit(own_pending(self.r, self.keys, self.name, self.max_seqs))
         self.heartbeat.beat(self.status())
         self.started = True
+        self.observers.emit("worker_started", self)
         log.info("worker %s ready (prefix %s, %d slots, models %s)", self.name, self.keys.prefix,
                  self.max_seqs, sorted(self.cfg.served_models))
 
@@ -92,6 +97,7 @@ class Worker:
         self.admit(entries)  # validate, ownership check, engine.add_request
         self.expire()  # deadlines passed while running
         self.step_and_publish()  # one engine step, then ONE MULTI with every write of the step
+        self.observers.emit("tick", self)  # metrics snapshot, Flower heartbeat
 
     def _done(self) -> bool:
         if not self.stopping:
@@ -166,11 +172,13 @@ class Worker:
         if not entries:
             return
         for v in self.admitter.verdicts(entries):
+            self.observers.emit("job_received", v)
             if self.admitter.settle(v) is None:
                 continue
             job = self.admitter.start(self.engine, v, self.steps)
             if job is not None:
                 self.inflight[job.id] = job
+                self.observers.emit("job_started", job)
 
     def expire(self) -> None:
         now = time.time()
@@ -208,6 +216,7 @@ class Worker:
                                self.steps)
             if ev is not None:
                 self.outbox.token(job.id, ev)
+                self.observers.emit("job_token", job, ev)
         if out.finished:
             del self.inflight[job.id]
             self.outbox.result(job, job.result(self.name))
