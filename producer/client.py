@@ -106,9 +106,12 @@ class Client:
         self.job_ttl_s = job_ttl_s
         self._submit = self.redis.register_script(SUBMIT_LUA)
         self._cancel = self.redis.register_script(CANCEL_LUA)
+        self._raw: Optional[redis.Redis] = None
 
     def close(self) -> None:
         self.redis.close()
+        if self._raw is not None:
+            self._raw.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -148,4 +151,7 @@ class Client:
 
     def status(self) -> dict:
         from .status import queue_status
-        return queue_status(self.redis, self.keys)
+
+        if self._raw is None:  # bytes in, decoded leniently: status must never choke on junk
+            self._raw = redis.Redis(connection_pool=redis.ConnectionPool.from_url(self.url))
+        return queue_status(self._raw, self.keys)

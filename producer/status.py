@@ -28,7 +28,7 @@ def _lane_status(r: redis.Redis, keys: Keys) -> dict:
 
 
 def _worker_status(r: redis.Redis, keys: Keys) -> list[dict]:
-    infos = r.hgetall(keys.workers)
+    infos = {_s(k): v for k, v in r.hgetall(keys.workers).items()}
     names = sorted(infos)
     pipe = r.pipeline(transaction=False)
     for name in names:
@@ -48,6 +48,7 @@ def _worker_status(r: redis.Redis, keys: Keys) -> list[dict]:
 
 
 def queue_status(r: redis.Redis, keys: Keys, dead_tail: int = 5) -> dict:
+    """`r` should not decode responses: dead letters may hold any bytes a client XADDed."""
     dead = r.xrevrange(keys.dead, count=dead_tail)
     return {
         "prefix": keys.prefix,

@@ -115,7 +115,10 @@ def test_hostile_entries(env):
         assert err.code == "invalid_request" and "prompt is 5001 tokens" in err.message
         wait_for(lambda: c.redis.xlen(c.keys.dead) == 2, what="2 dead letters")
         assert w.started and not w.stopping
-    reasons = [f[b"reason"].decode() for _, f in redis.Redis.from_url(url).xrange(c.keys.dead)]
+    assert c.status()["dead"]["count"] == 2  # status copes with junk bytes
+    dead = redis.Redis.from_url(url).xrange(c.keys.dead)
+    assert any(f[b"payload"] == rb"\xff\xfe not even json" for _, f in dead)
+    reasons = [f[b"reason"].decode() for _, f in dead]
     assert any("no 'job' field" in r for r in reasons)
     assert any("not valid UTF-8" in r for r in reasons)
 

@@ -42,12 +42,13 @@ class Entry:
         v = self.fields.get(b"job", self.fields.get("job"))
         return v.encode() if isinstance(v, str) else v
 
-    def dead_payload(self) -> bytes:
-        """A bounded copy of the entry for the dead-letter stream."""
+    def dead_payload(self) -> str:
+        """A bounded copy of the entry for the dead-letter stream, as valid UTF-8 (invalid bytes
+        become \\xNN escapes) so any client can read the dead-letter stream as text."""
         raw = self.payload()
         if raw is None:
-            raw = repr({_b(k): _b(v)[:200] for k, v in list(self.fields.items())[:20]}).encode()
-        return raw[:DEAD_PAYLOAD_BYTES]
+            return repr({_b(k): _b(v)[:200] for k, v in list(self.fields.items())[:20]})
+        return raw[:DEAD_PAYLOAD_BYTES].decode("utf-8", "backslashreplace")
 
 
 def _b(v) -> str:
