@@ -155,7 +155,7 @@ def compare(a, llm, client: Client, work):
     return local, remote, ratio, same
 
 
-def main() -> int:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-jobs", type=int, default=48)
@@ -171,8 +171,19 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--redis", default=os.environ.get("GENPOOL_REDIS_URL"))
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    return ap.parse_args()
 
+
+def report_priority(a, prio: dict) -> None:
+    print(f"PRIORITY: interactive job behind a {a.backlog}-job backlog: first token after "
+          f"{prio['ttft_s']:.3f} s = {prio['ttft_steps_from_arrival_by_time']:.2f} steps of "
+          f"{prio['step_period_s'] * 1000:.0f} ms (worker count: {prio['ttft_steps_after_read']}"
+          f" after reading it, <= {prio['ttft_steps_from_arrival_bound']} from arrival; "
+          f"target <= 3)", flush=True)
+
+
+def main() -> int:
+    a = parse_args()
     from engine.models.registry import resolve_model
     from transformers import AutoTokenizer
 
@@ -186,12 +197,10 @@ def main() -> int:
         from workers.embedded import start_server
 
         server = start_server()
-    url = a.redis or server.url
-    prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    client = Client(url, prefix)
+    client = Client(a.redis or server.url, f"bench-{uuid.uuid4().hex[:8]}")
     log_path = os.path.join(ROOT, "out", "bench-worker.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    proc = start_worker(a, model, url, prefix, log_path)
+    proc = start_worker(a, model, client.url, client.keys.prefix, log_path)
     try:
         llm = load_in_process(a, model, work)
         wait_worker(client, proc, log_path)
@@ -199,11 +208,7 @@ def main() -> int:
         local, remote, ratio, same = compare(a, llm, client, work)
         del llm
         prio = run_priority(a, client, work)
-        print(f"PRIORITY: interactive job behind a {a.backlog}-job backlog: first token after "
-              f"{prio['ttft_s']:.3f} s = {prio['ttft_steps_from_arrival_by_time']:.2f} steps of "
-              f"{prio['step_period_s'] * 1000:.0f} ms (worker count: {prio['ttft_steps_after_read']}"
-              f" after reading it, <= {prio['ttft_steps_from_arrival_bound']} from arrival; "
-              f"target <= 3)", flush=True)
+        report_priority(a, prio)
     finally:
         proc.terminate()
         proc.wait(60)

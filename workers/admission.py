@@ -124,3 +124,15 @@ class Admitter:
 def blocks_needed(job: InFlight, block_size: int) -> int:
     """Upper bound on the KV blocks a job can hold (prefix sharing only lowers it)."""
     return job.req.n * math.ceil((job.prompt_tokens + job.req.max_tokens) / block_size)
+
+
+def free_capacity(stats: dict, inflight: list[InFlight], max_seqs: int, kv_total: int,
+                  block_size: int) -> int:
+    """Jobs that still fit: free sequence slots (n per job), and KV blocks for the worst case of
+    the jobs held (sized by their average, since unread jobs' sizes are unknown)."""
+    seqs = sum(j.req.n for j in inflight)
+    slots = min(stats["free_seq_slots"], max_seqs - seqs)
+    held = [blocks_needed(j, block_size) for j in inflight]
+    per_job = max(1, sum(held) // len(held)) if held else 1
+    kv_room = (kv_total - sum(held)) // per_job
+    return max(0, min(slots, kv_room))

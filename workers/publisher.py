@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+import redis
+
 from .outbox import Outbox
 
 
@@ -48,6 +50,14 @@ class Publisher:
             exc, ops = failed
             self.outbox.ops[:0] = ops
             raise exc
+
+    def settle(self) -> None:
+        """Like wait(), but a Redis failure is only noted (its ops are back in the outbox): for
+        use on the way into reconnecting, before the outbox is rebuilt for resending."""
+        try:
+            self.wait()
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass
 
     def close(self) -> None:
         with self._cond:

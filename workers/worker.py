@@ -18,7 +18,7 @@ import redis
 from producer.protocol import backoff
 from schemas import LANES, ErrorEvent, Keys
 
-from .admission import Admitter, blocks_needed
+from .admission import Admitter, free_capacity
 from .heartbeat import Heartbeat
 from .intake import Entry
 from .jobstate import InFlight
@@ -121,13 +121,8 @@ class Worker:
 
     def capacity(self) -> int:
         """How many more jobs fit: sequence slots, and KV blocks for their worst case."""
-        st = self.engine.stats()
-        seqs = sum(j.req.n for j in self.inflight.values())
-        slots = min(st["free_seq_slots"], self.max_seqs - seqs)
-        held = [blocks_needed(j, self.block_size) for j in self.inflight.values()]
-        per_job = max(1, sum(held) // len(held)) if held else 1
-        kv_room = (self.kv_total - sum(held)) // per_job
-        return max(0, min(slots, kv_room))
+        return free_capacity(self.engine.stats(), list(self.inflight.values()), self.max_seqs,
+                             self.kv_total, self.block_size)
 
     def poll(self) -> tuple[list[str], list[Entry]]:
         """Cancels from the control stream, and new entries sized to what the engine can hold.
@@ -231,7 +226,7 @@ class Worker:
             return True
         except REDIS_DOWN as e:
             log.warning("Redis connection lost (%s); reconnecting", e)
-            self._settle_publisher()
+            self.publisher.settle()  # its failed ops return to the outbox first
             self._reconnect(attempts)
         except redis.ResponseError as e:
             if "NOGROUP" in str(e) or "UNBLOCKED" in str(e):
@@ -241,14 +236,6 @@ class Worker:
                 log.error("Redis refused a command: %s", e)
                 self._stop_event.wait(1.0)
         return False
-
-    def _settle_publisher(self) -> None:
-        """Let the batch in flight finish or fail (its ops return to the outbox) before the
-        outbox is rebuilt for resending."""
-        try:
-            self.publisher.wait()
-        except REDIS_DOWN:
-            pass
 
     def _reconnect(self, attempts: Optional[int]) -> None:
         delays = backoff(0.1, 5.0)
