@@ -59,9 +59,22 @@ def _decode_group(q, k_cache, v_cache, tables, lens, scale):
     v = v_cache.index_select(0, idx).view(shape).transpose(1, 2)
     pos = torch.arange(nb * bs, device=q.device)
     mask = (pos[None, :] < lens[:, None].to(q.device))[:, None, None, :]  # [B,1,1,S]
+    if q.dtype != torch.float32:
+        return _decode_matmul(q, k, v, mask, scale)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.squeeze(2)  # [B, Hq, D]
+
+
+def _decode_matmul(q, k, v, mask, scale):
+    """Explicit GQA attention for one query token; CPU SDPA is ~3x slower than this in bf16.
+    q [B, Hq, D], k/v [B, Hkv, S, D], mask [B, 1, 1, S]; softmax in fp32."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(b, hkv, hq // hkv, d)  # query heads grouped under their kv head
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, S]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, hq, d)
 
 
 def _prefill_seq(q, k_cache, v_cache, table, kv_len, scale):
