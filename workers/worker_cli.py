@@ -10,6 +10,8 @@ from pathlib import Path
 
 from producer.cli import add_connection_args
 
+from .worker_runner import add_runner_args, run_worker
+
 ENGINE_OPTS = ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                "max_model_len", "kernel_backend", "num_threads", "seed")
 
@@ -37,6 +39,7 @@ def register_worker(sub) -> None:
     g.add_argument("--result-ttl", type=int, default=86400, help="seconds results are kept")
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # tests: module:fn
     g.add_argument("--log-level", default=os.environ.get("GENPOOL_LOG_LEVEL", "INFO"))
+    add_runner_args(p)  # --metrics-port, --celery-events, --celery (workers/worker_runner.py)
     p.set_defaults(func=cmd_worker)
 
 
@@ -104,4 +107,4 @@ def cmd_worker(a: argparse.Namespace) -> int:
     if a.name:
         cfg.name = a.name
     r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
-    return Worker(engine, r, Keys(key_prefix(a.prefix)), cfg).run()
+    return run_worker(Worker(engine, r, Keys(key_prefix(a.prefix)), cfg), a, url)

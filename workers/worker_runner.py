@@ -1,0 +1,50 @@
+"""`genpool worker` options for monitoring and the Celery front door, and how the loop is run.
+
+Kept apart from worker_cli.py so the worker loop's owner and the monitoring code do not edit one
+file; imports of prometheus_client and celery happen only when their options are used.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_runner_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("monitoring and Celery")
+    g.add_argument("--metrics-port", type=int, default=_env_int("GENPOOL_METRICS_PORT"),
+                   help="serve Prometheus /metrics on this port (0: any free port)")
+    g.add_argument("--metrics-addr", default="0.0.0.0", help="address /metrics listens on")
+    g.add_argument("--celery-events", action="store_true",
+                   default=bool(os.environ.get("GENPOOL_CELERY_EVENTS")),
+                   help="send Celery events so Flower shows this worker and its jobs")
+    g.add_argument("--celery", action="store_true",
+                   help="run inside a Celery worker (threads pool): also serve genpool.generate "
+                        "tasks, answer remote control (ping, shutdown); implies --celery-events")
+    g.add_argument("--celery-queue", default=None,
+                   help="Celery queue to consume (default $GENPOOL_CELERY_QUEUE or genpool)")
+    g.add_argument("--celery-concurrency", type=int, default=None,
+                   help="task threads (default: the worker's job capacity)")
+
+
+def _env_int(name: str):
+    v = os.environ.get(name)
+    return int(v) if v else None
+
+
+def run_worker(worker, a: argparse.Namespace, url: str) -> int:
+    """Attach the observers the options ask for, then run the loop (here, or inside Celery)."""
+    if a.metrics_port is not None:
+        from .metrics import attach_metrics
+
+        attach_metrics(worker, a.metrics_port, url, a.metrics_addr)
+    if a.celery:
+        from .celery_worker import run_in_celery
+
+        return run_in_celery(worker, url, a.celery_queue, a.celery_concurrency, a.log_level)
+    if a.celery_events:
+        from .celery_app import app, configure
+        from .flower_events import attach_flower_events
+
+        configure(url, worker.keys.prefix, a.celery_queue)
+        attach_flower_events(worker, app)
+    return worker.run()
