@@ -80,10 +80,11 @@ def _decode_matmul(q, k, v, mask, scale):
 def _prefill_seq(q, k_cache, v_cache, table, kv_len, scale):
     """q [L, Hq, D]: the last L positions of a kv_len-token sequence, causal."""
     q_len = q.shape[0]
-    k = _gather(k_cache, table, kv_len).transpose(0, 1)  # [Hkv, S, D]
-    v = _gather(v_cache, table, kv_len).transpose(0, 1)
-    gqa = k.shape[0] != q.shape[1]
-    qh = q.transpose(0, 1)  # [Hq, L, D]
+    # 4-D inputs: CPU SDPA takes its fused flash path only for [B, H, L, D] (3-D is ~4x slower).
+    k = _gather(k_cache, table, kv_len).transpose(0, 1)[None]  # [1, Hkv, S, D]
+    v = _gather(v_cache, table, kv_len).transpose(0, 1)[None]
+    gqa = k.shape[1] != q.shape[1]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, L, D]
     if q_len == kv_len:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -91,7 +92,7 @@ def _prefill_seq(q, k_cache, v_cache, table, kv_len, scale):
         qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos[:, None]
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
