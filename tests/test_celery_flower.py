@@ -1,0 +1,214 @@
+"""Celery front door + Flower, end to end: real Redis, real Flower, real genpool workers (tiny model).
+
+Worker A is `genpool worker --celery` (the engine inside a real Celery worker: serves stream jobs
+and `genpool.generate` tasks, answers remote control); worker B is a standalone `genpool worker
+--celery-events`. Jobs go in through both front doors; Flower's API must list both workers and
+every job with its final state, runtime and worker; the metrics of both workers must add up to the
+tokens streamed; a SIGKILLed worker must show offline within 10 s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from producer import Client
+from tests.pool_helpers import ROOT, drop_prefix, new_prefix, spawn_worker, wait_for
+from tests.test_metrics import scrape, value
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(
+    os.path.dirname(sys.executable), "celery")), reason="celery CLI not installed")
+ENV = {"OMP_WAIT_POLICY": "PASSIVE", "FLOWER_UNAUTHENTICATED_API": "true"}
+FINAL = ("SUCCESS", "FAILURE", "REVOKED")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def flower_up(base: str) -> bool:
+    try:
+        return urllib.request.urlopen(base + "/healthcheck", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_path, redis_url, tmp_path_factory):
+    from workers.celery_app import make_app
+
+    logs = tmp_path_factory.mktemp("celery_flower")
+    prefix = new_prefix("cf")
+    names = {k: f"{k}-{prefix[-8:]}" for k in "ab"}
+    ports = {k: free_port() for k in ("a", "b", "flower")}
+    env = dict(os.environ, GENPOOL_REDIS_URL=redis_url, PYTHONPATH=str(ROOT), **ENV)
+    base = f"http://127.0.0.1:{ports['flower']}"
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower",
+         f"--port={ports['flower']}", "--address=127.0.0.1"], cwd=ROOT, env=env,
+        stdout=subprocess.DEVNULL, stderr=open(logs / "flower.log", "wb"))
+    common = ("--num-threads", "1", "--heartbeat-s", "0.5", "--metrics-addr", "127.0.0.1",
+              "--served-model-name", "tiny", "--claim-idle-ms", "60000")
+    procs = {
+        "a": spawn_worker(redis_url, prefix, tiny_llama_path, names["a"], *common, "--celery",
+                          "--celery-queue", prefix, "--celery-concurrency", "8",
+                          "--metrics-port", str(ports["a"]), env=ENV, log_path=logs / "a.log"),
+        "b": spawn_worker(redis_url, prefix, tiny_llama_path, names["b"], *common,
+                          "--celery-events", "--metrics-port", str(ports["b"]), env=ENV,
+                          log_path=logs / "b.log"),
+    }
+    st = SimpleNamespace(prefix=prefix, url=redis_url, flower=base, procs=procs, ports=ports,
+                         hosts={k: f"genpool@{v}" for k, v in names.items()}, logs=logs,
+                         caller=make_app(redis_url, prefix), client=Client(redis_url, prefix))
+    try:
+        wait_for(lambda: flower_up(base), 60, 0.3, "Flower")
+        wait_for(lambda: all(flower_status(st).get(h) for h in st.hosts.values()), 120, 0.5,
+                 "both genpool workers online in Flower")
+        yield st
+    finally:
+        for p in (*procs.values(), flower):
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+        st.client.close()
+        drop_prefix(redis_url, prefix)
+
+
+def flower_status(st) -> dict:
+    return get_json(st.flower + "/api/workers?status=1")
+
+
+def job_stream(client: Client, job_id: str) -> tuple[str, list[int]]:
+    text, ids = "", []
+    for ev in client.job(job_id).stream(timeout=120):
+        text, ids = text + ev.text, ids + ev.token_ids
+    return text, ids
+
+
+def first_token(client: Client, job_id: str) -> None:
+    next(ev for ev in client.job(job_id).events(timeout=60) if ev.type == "token")
+
+
+def delay_in_subprocess(st, **kwargs) -> dict:
+    """`generate.delay(...)` the way calling code does: configuration from the environment."""
+    code = ("import json, sys; from workers.celery_app import generate; "
+            "r = generate.delay(**json.loads(sys.argv[1])); "
+            "print(json.dumps(r.get(timeout=120)))")
+    env = dict(os.environ, GENPOOL_REDIS_URL=st.url, GENPOOL_CELERY_QUEUE=st.prefix,
+               PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_both_front_doors_in_flower_and_metrics(stack):
+    st, c, caller = stack, stack.client, stack.caller
+    expect: dict[str, str] = {}  # task uuid (= job id) -> final Flower state
+    # Stream front door: ok jobs, an unknown model (FAILURE), a cancel while running (REVOKED)
+    stream_ok = [c.submit(f"Stream {i}: copper garden", max_tokens=4 + i, temperature=0.0)
+                 for i in range(3)]
+    stream_bad = c.submit("Unknown model", model="not-served")
+    stream_cancel = c.submit("Long", max_tokens=1500, ignore_eos=True, temperature=0.0)
+    # Celery front door: send_task (prompt, chat, interactive lane), an invalid request, a revoke
+    kw = [dict(prompt="Celery river", max_tokens=5, temperature=0.0),
+          dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0),
+          dict(prompt="Celery urgent", max_tokens=4, priority=-1, temperature=0.0)]
+    celery_ok = [caller.send_task("genpool.generate", kwargs=k) for k in kw]
+    celery_bad = caller.send_task("genpool.generate", kwargs=dict(prompt="x", max_tokens=0))
+    celery_revoke = caller.send_task("genpool.generate", kwargs=dict(
+        prompt="Long celery", max_tokens=1500, ignore_eos=True, temperature=0.0))
+
+    first_token(c, stream_cancel.id)
+    c.cancel(stream_cancel.id)
+    first_token(c, celery_revoke.id)  # its job id is the task id: tokens stream there too
+    caller.control.revoke(celery_revoke.id)
+    delayed = delay_in_subprocess(st, prompt="Delayed lamp", max_tokens=3, temperature=0.0)
+
+    streamed = {j.id: job_stream(c, j.id) for j in stream_ok + [stream_cancel]}
+    for r in celery_ok:
+        out = r.get(timeout=120)
+        assert out["error"] is None and out["job_id"] == r.id
+        streamed[r.id] = job_stream(c, r.id)
+        assert (out["text"], out["token_ids"]) == streamed[r.id]
+        assert out["usage"]["completion_tokens"] == len(out["token_ids"]) > 0
+        expect[r.id] = "SUCCESS"
+    streamed[delayed["job_id"]] = job_stream(c, delayed["job_id"])
+    assert delayed["text"] == streamed[delayed["job_id"]][0]
+    streamed[celery_revoke.id] = job_stream(c, celery_revoke.id)
+    with pytest.raises(Exception) as e:
+        celery_bad.get(timeout=60)
+    assert "max_tokens" in str(e.value) and celery_bad.state == "FAILURE"
+    wait_for(lambda: celery_revoke.state == "REVOKED", 30, 0.2, "Celery task REVOKED")
+    assert c.job(stream_cancel.id).result(timeout=30).error.code == "cancelled"
+    assert c.job(stream_bad.id).result(timeout=30).error.code == "unknown_model"
+    results = {j.id: j.result(timeout=120) for j in stream_ok}
+    expect.update({j.id: "SUCCESS" for j in stream_ok}, **{
+        stream_bad.id: "FAILURE", stream_cancel.id: "REVOKED", celery_bad.id: "FAILURE",
+        celery_revoke.id: "REVOKED", delayed["job_id"]: "SUCCESS"})
+
+    tasks = wait_for(lambda: (t := get_json(st.flower + "/api/tasks")) and all(
+        t.get(u, {}).get("state") in FINAL for u in expect) and t, 30, 0.5, "final states")
+    for uuid, state in expect.items():
+        assert tasks[uuid]["state"] == state, (uuid, tasks[uuid])
+        assert tasks[uuid]["worker"] in st.hosts.values(), tasks[uuid]
+        assert tasks[uuid]["received"], tasks[uuid]
+        if state == "SUCCESS":
+            assert tasks[uuid]["runtime"] > 0 and tasks[uuid]["started"]
+    for j in stream_ok:  # Flower names the genpool worker that actually ran the stream job
+        assert tasks[j.id]["name"] == "genpool.stream"
+        assert tasks[j.id]["worker"] == f"genpool@{results[j.id].worker}"
+    for r in celery_ok + [celery_bad, celery_revoke]:  # the Celery worker ran the task body
+        assert tasks[r.id]["name"] == "genpool.generate"
+        assert tasks[r.id]["worker"] == st.hosts["a"]
+
+    # Metrics of both workers: every token a reader saw was counted once, and nothing else
+    m = [scrape(st.ports[k]) for k in "ab"]
+    assert sum(value(x, "genpool:generation_tokens_total") for x in m) == \
+        sum(len(ids) for _, ids in streamed.values())
+    assert sum(value(x, "genpool:request_success_total") for x in m) == \
+        sum(s == "SUCCESS" for s in expect.values())
+    assert sum(value(x, "genpool:request_failure_total", code="cancelled") for x in m) == 2
+    assert sum(value(x, "genpool:request_failure_total", code="unknown_model") for x in m) == 1
+
+
+def test_remote_control_ping(stack):
+    host = stack.hosts["a"]
+    replies = stack.caller.control.ping(destination=[host], timeout=5)
+    assert replies == [{host: {"ok": "pong"}}]
+
+
+def test_killed_worker_goes_offline(stack):
+    p = stack.procs["b"]
+    p.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    p.wait(10)
+    host = stack.hosts["b"]
+    wait_for(lambda: flower_status(stack).get(host) is False, 10, 0.25,
+             f"{host} offline in Flower")
+    print(f"{host} offline in Flower {time.monotonic() - t0:.1f} s after SIGKILL")
+    assert flower_status(stack)[stack.hosts["a"]] is True
+
+
+def test_remote_shutdown_drains_and_exits(stack):
+    host, p = stack.hosts["a"], stack.procs["a"]
+    stack.caller.control.shutdown(destination=[host])
+    assert p.wait(60) == 0
+    wait_for(lambda: flower_status(stack).get(host) is False, 10, 0.25, f"{host} offline")
+    log = (stack.logs / "a.log").read_text()
+    assert "draining" in log and "stopped" in log
