@@ -1,4 +1,4 @@
-"""Celery front door + Flower, end to end: real Redis, real Flower, real genpool workers (tiny model).
+"""Celery front door + Flower end to end: real Redis, Flower and genpool workers (tiny model).
 
 Worker A is `genpool worker --celery` (the engine inside a real Celery worker: serves stream jobs
 and `genpool.generate` tasks, answers remote control); worker B is a standalone `genpool worker
@@ -24,8 +24,8 @@ from producer import Client
 from tests.pool_helpers import ROOT, drop_prefix, new_prefix, spawn_worker, wait_for
 from tests.test_metrics import scrape, value
 
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(
-    os.path.dirname(sys.executable), "celery")), reason="celery CLI not installed")
+pytest.importorskip("flower", reason="the worker extra (celery, flower) is not installed")
+pytest.importorskip("prometheus_client")
 ENV = {"OMP_WAIT_POLICY": "PASSIVE", "FLOWER_UNAUTHENTICATED_API": "true"}
 FINAL = ("SUCCESS", "FAILURE", "REVOKED")
 
@@ -117,15 +117,15 @@ def delay_in_subprocess(st, **kwargs) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_both_front_doors_in_flower_and_metrics(stack):
-    st, c, caller = stack, stack.client, stack.caller
-    expect: dict[str, str] = {}  # task uuid (= job id) -> final Flower state
-    # Stream front door: ok jobs, an unknown model (FAILURE), a cancel while running (REVOKED)
+def run_both_front_doors(st) -> SimpleNamespace:
+    """Stream jobs (ok, unknown model, cancelled while running) and Celery tasks (send_task with
+    prompt/chat/interactive lane, an invalid request, a revoke while running, delay()).
+    Returns the expected Flower state per task uuid (= job id) and what readers streamed."""
+    c, caller = st.client, st.caller
     stream_ok = [c.submit(f"Stream {i}: copper garden", max_tokens=4 + i, temperature=0.0)
                  for i in range(3)]
     stream_bad = c.submit("Unknown model", model="not-served")
     stream_cancel = c.submit("Long", max_tokens=1500, ignore_eos=True, temperature=0.0)
-    # Celery front door: send_task (prompt, chat, interactive lane), an invalid request, a revoke
     kw = [dict(prompt="Celery river", max_tokens=5, temperature=0.0),
           dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0),
           dict(prompt="Celery urgent", max_tokens=4, priority=-1, temperature=0.0)]
@@ -133,58 +133,60 @@ def test_both_front_doors_in_flower_and_metrics(stack):
     celery_bad = caller.send_task("genpool.generate", kwargs=dict(prompt="x", max_tokens=0))
     celery_revoke = caller.send_task("genpool.generate", kwargs=dict(
         prompt="Long celery", max_tokens=1500, ignore_eos=True, temperature=0.0))
-
     first_token(c, stream_cancel.id)
     c.cancel(stream_cancel.id)
     first_token(c, celery_revoke.id)  # its job id is the task id: tokens stream there too
     caller.control.revoke(celery_revoke.id)
     delayed = delay_in_subprocess(st, prompt="Delayed lamp", max_tokens=3, temperature=0.0)
 
-    streamed = {j.id: job_stream(c, j.id) for j in stream_ok + [stream_cancel]}
+    ran = [j.id for j in stream_ok] + [r.id for r in celery_ok] + [
+        stream_cancel.id, celery_revoke.id, delayed["job_id"]]
+    out = SimpleNamespace(streamed={i: job_stream(c, i) for i in ran}, stream_ok=stream_ok,
+                          celery_ok=celery_ok, celery_other=[celery_bad, celery_revoke])
     for r in celery_ok:
-        out = r.get(timeout=120)
-        assert out["error"] is None and out["job_id"] == r.id
-        streamed[r.id] = job_stream(c, r.id)
-        assert (out["text"], out["token_ids"]) == streamed[r.id]
-        assert out["usage"]["completion_tokens"] == len(out["token_ids"]) > 0
-        expect[r.id] = "SUCCESS"
-    streamed[delayed["job_id"]] = job_stream(c, delayed["job_id"])
-    assert delayed["text"] == streamed[delayed["job_id"]][0]
-    streamed[celery_revoke.id] = job_stream(c, celery_revoke.id)
+        res = r.get(timeout=120)
+        assert res["error"] is None and res["job_id"] == r.id
+        assert (res["text"], res["token_ids"]) == out.streamed[r.id]
+        assert res["usage"]["completion_tokens"] == len(res["token_ids"]) > 0
+    assert delayed["text"] == out.streamed[delayed["job_id"]][0]
     with pytest.raises(Exception) as e:
         celery_bad.get(timeout=60)
     assert "max_tokens" in str(e.value) and celery_bad.state == "FAILURE"
     wait_for(lambda: celery_revoke.state == "REVOKED", 30, 0.2, "Celery task REVOKED")
     assert c.job(stream_cancel.id).result(timeout=30).error.code == "cancelled"
     assert c.job(stream_bad.id).result(timeout=30).error.code == "unknown_model"
-    results = {j.id: j.result(timeout=120) for j in stream_ok}
-    expect.update({j.id: "SUCCESS" for j in stream_ok}, **{
-        stream_bad.id: "FAILURE", stream_cancel.id: "REVOKED", celery_bad.id: "FAILURE",
-        celery_revoke.id: "REVOKED", delayed["job_id"]: "SUCCESS"})
+    out.expect = {i: "SUCCESS" for i in ran}
+    out.expect.update({stream_bad.id: "FAILURE", stream_cancel.id: "REVOKED",
+                       celery_bad.id: "FAILURE", celery_revoke.id: "REVOKED"})
+    return out
 
+
+def test_both_front_doors_in_flower_and_metrics(stack):
+    st, run = stack, run_both_front_doors(stack)
     tasks = wait_for(lambda: (t := get_json(st.flower + "/api/tasks")) and all(
-        t.get(u, {}).get("state") in FINAL for u in expect) and t, 30, 0.5, "final states")
-    for uuid, state in expect.items():
-        assert tasks[uuid]["state"] == state, (uuid, tasks[uuid])
-        assert tasks[uuid]["worker"] in st.hosts.values(), tasks[uuid]
-        assert tasks[uuid]["received"], tasks[uuid]
+        t.get(u, {}).get("state") in FINAL for u in run.expect) and t, 30, 0.5, "final states")
+    for uuid, state in run.expect.items():
+        task = tasks[uuid]
+        assert task["state"] == state and task["worker"] in st.hosts.values(), task
+        assert task["received"], task
         if state == "SUCCESS":
-            assert tasks[uuid]["runtime"] > 0 and tasks[uuid]["started"]
-    for j in stream_ok:  # Flower names the genpool worker that actually ran the stream job
+            assert task["runtime"] > 0 and task["started"], task
+    for j in run.stream_ok:  # Flower names the genpool worker that actually ran the stream job
         assert tasks[j.id]["name"] == "genpool.stream"
-        assert tasks[j.id]["worker"] == f"genpool@{results[j.id].worker}"
-    for r in celery_ok + [celery_bad, celery_revoke]:  # the Celery worker ran the task body
+        assert tasks[j.id]["worker"] == f"genpool@{j.result(timeout=30).worker}"
+    for r in run.celery_ok + run.celery_other:  # the Celery worker ran the task body
         assert tasks[r.id]["name"] == "genpool.generate"
         assert tasks[r.id]["worker"] == st.hosts["a"]
 
     # Metrics of both workers: every token a reader saw was counted once, and nothing else
     m = [scrape(st.ports[k]) for k in "ab"]
-    assert sum(value(x, "genpool:generation_tokens_total") for x in m) == \
-        sum(len(ids) for _, ids in streamed.values())
-    assert sum(value(x, "genpool:request_success_total") for x in m) == \
-        sum(s == "SUCCESS" for s in expect.values())
-    assert sum(value(x, "genpool:request_failure_total", code="cancelled") for x in m) == 2
-    assert sum(value(x, "genpool:request_failure_total", code="unknown_model") for x in m) == 1
+    total = lambda name, **labels: sum(value(x, name, **labels) for x in m)  # noqa: E731
+    assert total("genpool:generation_tokens_total") == \
+        sum(len(ids) for _, ids in run.streamed.values())
+    assert total("genpool:request_success_total") == \
+        sum(s == "SUCCESS" for s in run.expect.values())
+    assert total("genpool:request_failure_total", code="cancelled") == 2
+    assert total("genpool:request_failure_total", code="unknown_model") == 1
 
 
 def test_remote_control_ping(stack):

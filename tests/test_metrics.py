@@ -19,6 +19,7 @@ from schemas import Keys
 from tests.pool_helpers import drop_prefix, new_prefix, wait_for
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+pytest.importorskip("prometheus_client", reason="the worker extra is not installed")
 
 
 def scrape(port: int) -> dict:
