@@ -131,6 +131,8 @@ def run_both_front_doors(st) -> SimpleNamespace:
           dict(prompt="Celery urgent", max_tokens=4, priority=-1, temperature=0.0)]
     celery_ok = [caller.send_task("genpool.generate", kwargs=k) for k in kw]
     celery_bad = caller.send_task("genpool.generate", kwargs=dict(prompt="x", max_tokens=0))
+    celery_expired = caller.send_task("genpool.generate", kwargs=dict(
+        prompt="Too late", deadline=time.time() - 1))
     celery_revoke = caller.send_task("genpool.generate", kwargs=dict(
         prompt="Long celery", max_tokens=1500, ignore_eos=True, temperature=0.0))
     first_token(c, stream_cancel.id)
@@ -142,7 +144,8 @@ def run_both_front_doors(st) -> SimpleNamespace:
     ran = [j.id for j in stream_ok] + [r.id for r in celery_ok] + [
         stream_cancel.id, celery_revoke.id, delayed["job_id"]]
     out = SimpleNamespace(streamed={i: job_stream(c, i) for i in ran}, stream_ok=stream_ok,
-                          celery_ok=celery_ok, celery_other=[celery_bad, celery_revoke])
+                          celery_ok=celery_ok,
+                          celery_other=[celery_bad, celery_revoke, celery_expired])
     for r in celery_ok:
         res = r.get(timeout=120)
         assert res["error"] is None and res["job_id"] == r.id
@@ -152,12 +155,14 @@ def run_both_front_doors(st) -> SimpleNamespace:
     with pytest.raises(Exception) as e:
         celery_bad.get(timeout=60)
     assert "max_tokens" in str(e.value) and celery_bad.state == "FAILURE"
-    wait_for(lambda: celery_revoke.state == "REVOKED", 30, 0.2, "Celery task REVOKED")
+    for r in (celery_revoke, celery_expired):
+        wait_for(lambda: r.state == "REVOKED", 30, 0.2, f"Celery task {r.id} REVOKED")
     assert c.job(stream_cancel.id).result(timeout=30).error.code == "cancelled"
     assert c.job(stream_bad.id).result(timeout=30).error.code == "unknown_model"
     out.expect = {i: "SUCCESS" for i in ran}
     out.expect.update({stream_bad.id: "FAILURE", stream_cancel.id: "REVOKED",
-                       celery_bad.id: "FAILURE", celery_revoke.id: "REVOKED"})
+                       celery_bad.id: "FAILURE", celery_revoke.id: "REVOKED",
+                       celery_expired.id: "REVOKED"})
     return out
 
 
@@ -187,6 +192,7 @@ def test_both_front_doors_in_flower_and_metrics(stack):
         sum(s == "SUCCESS" for s in run.expect.values())
     assert total("genpool:request_failure_total", code="cancelled") == 2
     assert total("genpool:request_failure_total", code="unknown_model") == 1
+    assert total("genpool:request_failure_total", code="expired") == 1
 
 
 def test_remote_control_ping(stack):

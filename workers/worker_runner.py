@@ -15,7 +15,7 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus /metrics on this port (0: any free port)")
     g.add_argument("--metrics-addr", default="0.0.0.0", help="address /metrics listens on")
     g.add_argument("--celery-events", action="store_true",
-                   default=bool(os.environ.get("GENPOOL_CELERY_EVENTS")),
+                   default=os.environ.get("GENPOOL_CELERY_EVENTS", "").lower() in ("1", "true"),
                    help="send Celery events so Flower shows this worker and its jobs")
     g.add_argument("--celery", action="store_true",
                    help="run inside a Celery worker (threads pool): also serve genpool.generate "
