@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Iterable, Optional
 
+import redis
 import redis.asyncio as aredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -115,10 +116,9 @@ class Gateway:
                                     f"{self.max_queue_depth}); retry later",
                                type_="rate_limit_exceeded", code="queue_full")
         job = await self.client.submit(**req.kwargs)
-        if req.stream:
-            return StreamingResponse(self.sse(request, job, req), headers=SSE_HEADERS,
-                                     media_type="text/event-stream")
         try:
+            if req.stream:
+                return await self.start_stream(request, job, req)
             res = await until_disconnect(request, job.result())
         except ClientGone:
             await job.cancel()
@@ -127,14 +127,28 @@ class Gateway:
             raise error_from_event(res.error)
         return JSONResponse(completion_body(req, res))
 
-    async def sse(self, request: Request, job: AsyncJob, req: OpenAIRequest
-                  ) -> AsyncIterator[str]:
+    async def start_stream(self, request: Request, job: AsyncJob, req: OpenAIRequest
+                           ) -> Response:
+        """Answers once the job's first event is in, so a job its worker refuses (unknown
+        model, prompt too long) gets its real HTTP status rather than a 200 stream."""
+        events = job.stream().__aiter__()
+        try:
+            first = await until_disconnect(request, events.__anext__())
+        except StopAsyncIteration:  # finished without a token: failed, or an empty completion
+            first, res = None, await job.result()
+            if res.error is not None:
+                raise error_from_event(res.error) from None
+        return StreamingResponse(self.sse(request, job, req, chain(first, events)),
+                                 headers=SSE_HEADERS, media_type="text/event-stream")
+
+    async def sse(self, request: Request, job: AsyncJob, req: OpenAIRequest,
+                  events: AsyncIterator) -> AsyncIterator[str]:
         created, finished = int(time.time()), False
         try:
             if req.kind == "chat":  # OpenAI opens every choice with the assistant role
                 for i in range(req.kwargs.get("n", 1)):
                     yield sse(chunk_body(req, job.id, created, i, role=True))
-            async for ev in iterate_until_disconnect(request, job.stream()):
+            async for ev in iterate_until_disconnect(request, events):
                 if ev.type == "restart":
                     # Text already sent cannot be taken back; stop rather than send a mix.
                     yield sse(APIError(500, "the job was rerun after a worker failure and its "
@@ -155,6 +169,13 @@ class Gateway:
         finally:
             if not finished:  # the reader left (or the stream broke): free the worker's slot
                 background(job.cancel())
+
+
+async def chain(first: Any, rest: AsyncIterator) -> AsyncIterator:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
 
 
 def sse(obj: Any) -> str:
@@ -268,6 +289,12 @@ def _error_handlers(app: FastAPI) -> None:
         err = APIError(exc.status_code, str(exc.detail),
                        "invalid_request_error" if exc.status_code < 500 else "server_error")
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(redis.RedisError)
+    async def queue_down(_req, exc: redis.RedisError):
+        err = APIError(503, f"the job queue is unreachable ({type(exc).__name__}: {exc})",
+                       "server_error", code="queue_unavailable")
+        return JSONResponse(err.body(), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_req, exc: RequestValidationError):

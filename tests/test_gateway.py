@@ -5,6 +5,7 @@ One tiny-Llama worker and one `genpool gateway` process (with an API key) serve 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -156,6 +157,8 @@ def test_unknown_model_and_route(pool):
     with pytest.raises(openai.NotFoundError) as e:
         pool["client"].chat.completions.create(model="gpt-9", messages=CHAT, max_tokens=2)
     assert e.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):  # streamed too: the status waits for the worker
+        pool["client"].chat.completions.create(model="gpt-9", messages=CHAT, stream=True)
     r = httpx.get(f"{pool['base']}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and error_of(r)["type"] == "invalid_request_error"
 
@@ -196,26 +199,42 @@ def test_disconnect_cancels_non_streamed_job(pool):
     assert json.loads(err)["code"] == "cancelled"
 
 
-@pytest.fixture
-def thread_gateway(redis_url):
-    """A gateway in this process (uvicorn in a thread) on a prefix that no worker serves."""
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """uvicorn in a thread of this process; yields the base URL."""
     import uvicorn
 
-    from producer.gateway import create_app
-
-    prefix, port = new_prefix("gw429"), free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(redis_url, prefix, max_queue_depth=2),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     base = f"http://127.0.0.1:{port}"
-    wait_for(lambda: answers(base), 30, what="thread gateway up")
     try:
-        yield base, prefix
+        wait_for(lambda: answers(base), 30, what="thread gateway up")
+        yield base
     finally:
         server.should_exit = True
         t.join(10)
-        drop_prefix(redis_url, prefix)
+
+
+@pytest.fixture
+def thread_gateway(redis_url):
+    """A gateway on a prefix that no worker serves, so its queue only grows."""
+    from producer.gateway import create_app
+
+    prefix = new_prefix("gw429")
+    with serve_in_thread(create_app(redis_url, prefix, max_queue_depth=2)) as base:
+        yield base, prefix
+    drop_prefix(redis_url, prefix)
+
+
+def test_redis_down_is_503():
+    from producer.gateway import create_app
+
+    with serve_in_thread(create_app("redis://127.0.0.1:1/0", "nowhere")) as base:
+        r = httpx.get(f"{base}/v1/models", timeout=30)
+    assert r.status_code == 503 and error_of(r)["code"] == "queue_unavailable"
 
 
 def test_queue_deeper_than_bound_gets_429(thread_gateway, redis_url):
@@ -230,3 +249,27 @@ def test_queue_deeper_than_bound_gets_429(thread_gateway, redis_url):
     assert r.status_code == 429 and error_of(r)["code"] == "queue_full"
     assert c.status()["lanes"]["normal"]["queued"] == 3  # the refused requests enqueued nothing
     assert httpx.get(f"{base}/v1/models").json() == {"object": "list", "data": []}
+
+
+def test_smollm2_streamed_equals_non_streamed(redis_url, smollm2_path, tmp_path):
+    """The real model: the same greedy chat request, streamed and not, gives the same text."""
+    from producer.gateway import create_app
+
+    prefix = new_prefix("gwsmol")
+    worker = spawn_worker(redis_url, prefix, "smollm2-135m", "gw-smol", "--max-num-seqs", "4",
+                          "--num-threads", "1", log_path=tmp_path / "worker.log")
+    try:
+        with serve_in_thread(create_app(redis_url, prefix)) as base:
+            wait_for(lambda: workers_alive(redis_url, prefix) or worker.poll() is not None, 300,
+                     what="worker up")
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            kw = dict(model="smollm2-135m", max_tokens=12, temperature=0,
+                      messages=[{"role": "user", "content": "What is the capital of France?"}])
+            whole = c.chat.completions.create(**kw).choices[0].message.content
+            streamed = "".join(ch.choices[0].delta.content or ""
+                               for ch in c.chat.completions.create(**kw, stream=True))
+    finally:
+        stop_proc(worker)
+        drop_prefix(redis_url, prefix)
+    assert streamed == whole and whole.startswith("The capital of France is Paris")
