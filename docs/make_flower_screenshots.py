@@ -92,6 +92,7 @@ def main() -> int:
         for p in (*procs, flower):
             p.wait(60)
         drop_prefix(a.redis, prefix)
+        Client(a.redis, prefix).redis.delete(prefix, f"_kombu.binding.{prefix}")  # its queue
     return 0
 
 

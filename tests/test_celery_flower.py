@@ -85,6 +85,8 @@ def stack(tiny_llama_path, redis_url, tmp_path_factory):
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+        # this run's Celery queue: its list and kombu's binding set (never FLUSHDB: shared DB)
+        st.client.redis.delete(prefix, f"_kombu.binding.{prefix}")
         st.client.close()
         drop_prefix(redis_url, prefix)
 
