@@ -109,7 +109,7 @@ def generate(self, prompt: Optional[str] = None, *, raise_on_error: bool = True,
     text, token_ids, finish_reason, usage, timings, choices, worker, error (null). A job that ends
     in an error raises GenerationError (state FAILURE), or with raise_on_error=False returns the
     dict with `error` set; a cancelled or expired job is REVOKED."""
-    fields.setdefault("job_id", self.request.id)
+    fields["job_id"] = fields.get("job_id") or self.request.id
     meta = dict(fields.pop("metadata", None) or {})
     meta[CELERY_MARK] = self.request.id  # the genpool worker leaves its Flower events to us
     job = client().submit(prompt, metadata=meta, **fields)  # ValueError: invalid -> FAILURE
