@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from schemas import ErrorEvent, JobResult, Usage
+from schemas import Choice, ErrorEvent, JobResult, Usage
 
 from .protocol import build_request
 
@@ -196,9 +196,7 @@ def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] =
     return body
 
 
-def _single(res: JobResult):
-    from schemas import Choice
-
+def _single(res: JobResult) -> Choice:
     return Choice(index=0, text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason)
 
 
