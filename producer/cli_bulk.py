@@ -50,9 +50,9 @@ def register_gateway(sub) -> None:
     p = sub.add_parser("gateway", help="OpenAI-compatible HTTP server in front of the pool")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=None,
-                   help="accepted bearer key (repeatable; default $GENPOOL_API_KEYS, "
-                        "comma-separated; none: no auth)")
+    p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
+                   help="accepted bearer keys (default $GENPOOL_API_KEYS, comma-separated; "
+                        "none: no auth)")
     p.add_argument("--max-queue-depth", type=int, default=None,
                    help="answer 429 while more jobs than this wait for a worker")
     p.add_argument("--priority", type=int, default=-1,
