@@ -141,6 +141,13 @@ class Client:
             jobs += [Job(self, q.id, duplicate=e is None) for q, e in zip(chunk, entries)]
         return jobs
 
+    def map(self, items, concurrency: int = 16, **common):
+        """Run every item (prompt string or dict of submit kwargs) with at most `concurrency`
+        jobs in flight; JobResults in input order (see producer.pipeline.map_prompts)."""
+        from producer.pipeline import map_prompts
+
+        return map_prompts(self, items, concurrency=concurrency, **common)
+
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)
 
