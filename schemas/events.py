@@ -50,7 +50,8 @@ class Timings(BaseModel):
     queued_s: float = 0.0  # enqueue (stream entry time) -> added to an engine
     ttft_s: Optional[float] = None  # enqueue -> first token written
     total_s: float = 0.0  # enqueue -> result written
-    # Engine steps between the worker reading the job and its first token (priority checks).
+    # Engine steps that ended between the job's arrival (stream entry time) and its first token,
+    # that one included: 1 = the first step after it arrived produced its first token.
     ttft_steps: Optional[int] = None
 
 

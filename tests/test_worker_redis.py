@@ -203,7 +203,9 @@ def test_high_lane_overtakes_a_full_engine(env):
         wait_for(lambda: len(w.inflight) == 2, what="engine full")
         vip = c.submit("vip", max_tokens=5, priority=-1)
         res = vip.result(timeout=10)
-        assert res.timings.ttft_steps is not None and res.timings.ttft_steps <= 2
+        # arrival mid-step k -> read before step k+1 -> first token from step k+1: 2 steps
+        # (3 allowed: entry ids have millisecond resolution)
+        assert res.timings.ttft_steps is not None and 1 <= res.timings.ttft_steps <= 3
         assert len(w.inflight) <= 2 + w.cfg.high_burst
         done_before = sum(c.job(j.id).info().get("state") == "done" for j in bulk)
         assert done_before <= 2

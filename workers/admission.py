@@ -99,7 +99,7 @@ class Admitter:
             return p.req
         return None
 
-    def start(self, engine, v: Verdict, step: int) -> Optional[InFlight]:
+    def start(self, engine, v: Verdict) -> Optional[InFlight]:
         """add_request; a request the engine refuses becomes an invalid_request error."""
         req, e = v.parsed.req, v.parsed.entry
         try:
@@ -114,7 +114,7 @@ class Admitter:
                                                     message=f"{type(exc).__name__}: {exc}"))
             return None
         job = InFlight(req=req, entry=e, attempt=v.attempt, admitted_at=time.time(),
-                       admitted_step=step, prompt_tokens=len(prompt["prompt_token_ids"]))
+                       prompt_tokens=len(prompt["prompt_token_ids"]))
         if v.attempt > 1 or e.deliveries > 1:
             self.outbox.restart(req.id, f"rerun (attempt {v.attempt}) after its worker was lost",
                                 v.attempt)

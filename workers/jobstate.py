@@ -16,20 +16,19 @@ class InFlight:
     entry: Entry
     attempt: int
     admitted_at: float
-    admitted_step: int
     texts: dict[int, str] = field(default_factory=dict)
     ids: dict[int, list[int]] = field(default_factory=dict)
     finish: dict[int, Optional[str]] = field(default_factory=dict)
     prompt_tokens: int = 0
     first_token_at: Optional[float] = None
-    first_token_step: Optional[int] = None
+    ttft_steps: Optional[int] = None  # engine steps that ended between arrival and first token
 
     @property
     def id(self) -> str:
         return self.req.id
 
     def add_delta(self, index: int, text: str, token_ids: list[int], finish: Optional[str],
-                  logprobs, step: int) -> Optional[TokenEvent]:
+                  logprobs) -> Optional[TokenEvent]:
         """Record one completion delta; the token event to publish (None when nothing new)."""
         self.texts[index] = self.texts.get(index, "") + text
         self.ids.setdefault(index, []).extend(token_ids)
@@ -38,7 +37,7 @@ class InFlight:
         if not text and not token_ids:
             return None
         if self.first_token_at is None:
-            self.first_token_at, self.first_token_step = time.time(), step
+            self.first_token_at = time.time()
         lps = None
         if logprobs:
             lps = [{str(k): float(v) for k, v in d.items()} for d in logprobs if d is not None]
@@ -51,12 +50,9 @@ class InFlight:
 
     def result(self, worker: str) -> ResultEvent:
         now, t0 = time.time(), self.entry.enqueued_at
-        ttft_steps = None
-        if self.first_token_step is not None:
-            ttft_steps = self.first_token_step - self.admitted_step
         timings = Timings(queued_s=round(max(0.0, self.admitted_at - t0), 6),
                           ttft_s=round(self.first_token_at - t0, 6) if self.first_token_at else None,
-                          total_s=round(now - t0, 6), ttft_steps=ttft_steps)
+                          total_s=round(now - t0, 6), ttft_steps=self.ttft_steps)
         n_out = sum(len(v) for v in self.ids.values())
         choices = None
         if self.req.n > 1:

@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from typing import Optional
 
 import redis
@@ -51,6 +52,7 @@ class Worker:
                                              + st["num_waiting"])
         self.kv_total, self.block_size = st["kv_blocks_total"], st.get("block_size", 16)
         self.steps = 0
+        self.step_ends: deque[float] = deque(maxlen=256)  # wall-clock end of recent steps
         self.started = False
         self.control = ControlReader(keys)
         self.claim_cursors: dict[str, str] = {}
@@ -170,7 +172,7 @@ class Worker:
             self.observers.emit("job_received", v)
             if self.admitter.settle(v) is None:
                 continue
-            job = self.admitter.start(self.engine, v, self.steps)
+            job = self.admitter.start(self.engine, v)
             if job is not None:
                 self.inflight[job.id] = job
                 self.observers.emit("job_started", job)
@@ -195,6 +197,7 @@ class Worker:
             outputs = self.engine.step()
             self.timing["engine_s"] += time.perf_counter() - t0
             self.steps += 1
+            self.step_ends.append(time.time())
             for out in outputs:
                 self._collect(out)
         self.publisher.wait()  # the previous step's writes (overlapped with this step's compute)
@@ -207,9 +210,10 @@ class Worker:
         if out.prompt_token_ids:
             job.prompt_tokens = len(out.prompt_token_ids)
         for c in out.outputs:
-            ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
-                               self.steps)
+            ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
             if ev is not None:
+                if job.ttft_steps is None:  # engine steps that ended since the job arrived
+                    job.ttft_steps = sum(t > job.entry.enqueued_at for t in self.step_ends)
                 self.outbox.token(job.id, ev)
                 self.observers.emit("job_token", job, ev)
         if out.finished:
