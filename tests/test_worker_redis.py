@@ -220,3 +220,27 @@ def test_lane_streams_deleted_under_a_running_worker(env):
         c.redis.delete(*c.keys.all_jobs())  # groups gone: the worker gets NOGROUP
         time.sleep(0.5)
         assert c.submit("b", max_tokens=2).result(timeout=10).text == expected_for_prompt("b", 2)
+
+
+def test_sigterm_on_a_worker_process_drains(env, tmp_path):
+    import signal
+
+    from tests.pool_helpers import spawn_worker, workers_alive
+
+    url, prefix, c = env
+    proc = spawn_worker(url, prefix, "fake", "sig", "--engine-factory", "tests.fake_engine:make",
+                        "--max-num-seqs", "4", "--drain-timeout", "20",
+                        env={"GENPOOL_FAKE_STEP_DELAY": "0.02"}, log_path=tmp_path / "w.log")
+    try:
+        wait_for(lambda: workers_alive(url, prefix) == 1, timeout=60, what="worker up")
+        jobs = c.submit_many([dict(prompt=f"s{i}", max_tokens=40) for i in range(10)])
+        wait_for(lambda: c.status()["lanes"]["normal"]["pending"] == 4, what="4 in flight")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    states = [c.job(j.id).info()["state"] for j in jobs]
+    assert states.count("done") >= 4 and states.count("queued") >= 1  # in flight finished
+    assert c.status()["lanes"]["normal"]["pending"] == 0  # nothing left half-done
+    assert "draining" in (tmp_path / "w.log").read_text()
