@@ -69,10 +69,14 @@ class Job:
         # One MULTI: the stored result, or else the stream's last id to wait beyond; the worker
         # writes both in one MULTI too, so nothing can slip between the two reads.
         keys = self.client.keys
-        pipe = self.client.redis.pipeline(transaction=True)
-        pipe.hmget(keys.job(self.id), "result", "error")
-        pipe.xrevrange(keys.events(self.id), count=1)
-        (res, err), last = _retrying(pipe.execute)
+
+        def snapshot():  # a fresh pipeline per try: execute() empties it even when it fails
+            pipe = self.client.redis.pipeline(transaction=True)
+            pipe.hmget(keys.job(self.id), "result", "error")
+            pipe.xrevrange(keys.events(self.id), count=1)
+            return pipe.execute()
+
+        (res, err), last = _retrying(snapshot)
         final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:  # not finished: wait for events after the last one that exists now
             start = last[0][0] if last else "0-0"
@@ -133,11 +137,7 @@ class Client:
         jobs: list[Job] = []
         for i in range(0, len(reqs), PIPELINE_CHUNK):
             chunk = reqs[i:i + PIPELINE_CHUNK]
-            pipe = self.redis.pipeline(transaction=False)
-            for req in chunk:
-                self._submit(keys=[self.keys.job(req.id), self.keys.jobs(req.lane)],
-                             args=submit_args(req, self.job_ttl_s), client=pipe)
-            entries = _retrying(pipe.execute)
+            entries = _retrying(lambda chunk=chunk: self._submit_chunk(chunk))
             jobs += [Job(self, q.id, duplicate=e is None) for q, e in zip(chunk, entries)]
         return jobs
 
@@ -147,6 +147,15 @@ class Client:
         from producer.pipeline import map_prompts
 
         return map_prompts(self, items, concurrency=concurrency, **common)
+
+    def _submit_chunk(self, chunk: list) -> list:
+        # Retrying is safe: the script skips ids that already exist (a chunk that half-landed
+        # before a connection loss reports those as duplicates, and runs each job once).
+        pipe = self.redis.pipeline(transaction=False)
+        for req in chunk:
+            self._submit(keys=[self.keys.job(req.id), self.keys.jobs(req.lane)],
+                         args=submit_args(req, self.job_ttl_s), client=pipe)
+        return pipe.execute()
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)
