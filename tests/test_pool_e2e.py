@@ -67,9 +67,19 @@ def pool(redis_url, tmp_path):
     drop_prefix(redis_url, prefix)
 
 
-def test_200_jobs_4_producers_2_workers(redis_url, pool, tiny_llama_path, tiny_llm):
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_path):
+    from engine import LLM
+
+    return LLM(str(smollm2_path), max_num_seqs=32, num_threads=1)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])  # SmolLM2: ~40 s on 2 cores
+def test_200_jobs_4_producers_2_workers(redis_url, pool, request, which):
     prefix, start = pool
-    start(tiny_llama_path, 2, "--max-num-seqs", "24")
+    path = request.getfixturevalue(f"{'tiny_llama' if which == 'tiny' else 'smollm2'}_path")
+    llm = request.getfixturevalue(f"{which}_llm")
+    start(path, 2, "--max-num-seqs", "24")
     specs = [job_spec(i) for i in range(200)]
     got: dict = {}
 
@@ -81,7 +91,7 @@ def test_200_jobs_4_producers_2_workers(redis_url, pool, tiny_llama_path, tiny_l
     threads = [threading.Thread(target=producer, args=(specs[k::4],)) for k in range(4)]
     for t in threads:
         t.start()
-    want = offline(tiny_llm, specs)  # computed while the pool works
+    want = offline(llm, specs)  # computed while the pool works
     for t in threads:
         t.join(600)
     check(got, want)
