@@ -113,7 +113,8 @@ def test_sigkill_with_20_in_flight(redis_url, pool, tiny_llama_path, tiny_llm):
     (victim,) = start(tiny_llama_path, 1, "--max-num-seqs", "32", "--claim-idle-ms", "1500",
                       names=["victim"])
     c = Client(redis_url, prefix)
-    specs = [dict(job_spec(i), max_tokens=48, ignore_eos=True, stop=[]) for i in range(25)]
+    # long enough that a fast engine is still mid-way through them when the kill lands
+    specs = [dict(job_spec(i), max_tokens=160, ignore_eos=True, stop=[]) for i in range(25)]
     jobs = [c.submit(**s) for s in specs]
 
     def victim_busy():  # >= 20 delivered, unacknowledged, and already producing tokens
@@ -143,17 +144,19 @@ def test_redis_restart_mid_run(pool, tiny_llama_path, tiny_llm, tmp_path):
     try:
         (w,) = start(tiny_llama_path, 1, "--max-num-seqs", "16", url=server.url)
         c = Client(server.url, prefix)
-        specs = [dict(job_spec(i), max_tokens=24, ignore_eos=True, stop=[]) for i in range(30)]
+        specs = [dict(job_spec(i), max_tokens=96, ignore_eos=True, stop=[]) for i in range(30)]
         jobs = c.submit_many(specs)
         got: dict = {}
         reader = threading.Thread(target=lambda: got.update(collect(c, jobs)))
         reader.start()
         wait_for(lambda: c.redis.exists(c.keys.events(jobs[0].id)), timeout=60)
+        unfinished = sum(c.job(j.id).info().get("state") != "done" for j in jobs)
         server.stop()
         time.sleep(2.0)
         server = embedded.start_server(port=server.port, data_dir=server.dir, fsync="always")
         reader.join(300)
         check(got, offline(tiny_llm, specs))
+        assert unfinished >= 20  # the restart really hit a run in progress
         assert w.poll() is None  # the worker never died
         wait_for(lambda: c.status()["workers"][0].get("reconnects", 0) >= 1, timeout=10,
                  what="the reconnect, in the worker's heartbeat")
