@@ -13,7 +13,7 @@ from producer.cli import add_connection_args
 from .worker_runner import add_runner_args, run_worker
 
 ENGINE_OPTS = ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-               "max_model_len", "kernel_backend", "num_threads", "seed")
+               "max_model_len", "kernel_backend", "num_threads", "seed", "enable_prefix_caching")
 
 
 def register_worker(sub) -> None:
@@ -54,6 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-backend", default="auto")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
