@@ -175,6 +175,10 @@ def test_sigterm_drain_finishes_in_flight(env):
         jobs = c.submit_many([dict(prompt=f"d{i}", max_tokens=30) for i in range(3)])
         wait_for(lambda: len(w.inflight) == 3, what="3 in flight")
         w.stop()
+        # A poll already in flight when stop() lands may still take one entry; submit only after
+        # the worker has gone through two more ticks, so the pull is known to be switched off.
+        steps = w.steps
+        wait_for(lambda: w.steps >= steps + 2 or not w.inflight, what="two ticks after stop")
         queued_later = c.submit("after stop", max_tokens=3)
     assert all(j.result(timeout=1).text == expected_for_prompt(f"d{i}", 30)
                for i, j in enumerate(jobs))
