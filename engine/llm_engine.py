@@ -115,7 +115,6 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
                     deltas[seq.index] = CompletionOutput(seq.index, "", [], "abort")
-            req.params = req.params.clone(n=len(req.seqs))  # no forks will come
             self._aborted.append(req.delta_output(deltas))
 
     def has_unfinished_requests(self) -> bool:
@@ -156,7 +155,9 @@ class LLMEngine:
                 self.scheduler.add_running(child)
                 rows.append(i)
                 seqs.append(child)
-        return logits[rows] if rows else logits, seqs
+        if len(rows) == logits.shape[0]:  # no fork this step: rows are 0..N-1 already
+            return logits, seqs
+        return logits.index_select(0, torch.tensor(rows)), seqs
 
     def _row(self, seq: Sequence) -> SampleRow:
         eos = None if seq.params.ignore_eos else self.eos_token_ids[0]
@@ -208,8 +209,7 @@ class LLMEngine:
         if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            if seq.stop_reason is None or reason == "length":
-                text += seq.detokenizer.flush()
+            text += seq.detokenizer.flush()  # "" when a stop string already ended the text
             self.scheduler.finish(seq, reason)
         return CompletionOutput(seq.index, text, [tok], reason, [lp] if lp is not None else None,
                                 seq.stop_reason)

@@ -21,7 +21,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        # Children are forked before the parent's first token is processed, so while forks are
+        # pending the parent is still running and this is False; an abort finishes them all.
+        return all(s.is_finished for s in self.seqs)
 
     def delta_output(self, deltas: dict[int, CompletionOutput]) -> RequestOutput:
         """RequestOutput carrying only what changed this step (for streaming)."""

@@ -31,6 +31,11 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
+def _rows(idx: list[int], logits: torch.Tensor) -> torch.Tensor:
+    # index_select with a tensor: logits[list] takes torch's slow advanced-indexing path on CPU
+    return torch.tensor(idx, dtype=torch.long, device=logits.device)
+
+
 def _is_plain_greedy(row: SampleRow) -> bool:
     p = row.params
     return (p.is_greedy and not p.has_penalties
@@ -114,7 +119,7 @@ class Sampler:
         tokens: list[int] = [0] * len(rows)
         plain = [i for i, r in enumerate(rows) if _is_plain_greedy(r)]
         if plain:  # the common case: one argmax for all plain-greedy rows
-            picked = logits[plain].argmax(dim=-1).tolist()
+            picked = logits.index_select(0, _rows(plain, logits)).argmax(dim=-1).tolist()
             for i, t in zip(plain, picked):
                 tokens[i] = t
         plain_set = set(plain)
@@ -149,7 +154,7 @@ class Sampler:
         out: list[dict[int, float] | None] = [None] * len(rows)
         if not want:
             return out
-        logp = torch.log_softmax(logits[want], dim=-1)
+        logp = torch.log_softmax(logits.index_select(0, _rows(want, logits)), dim=-1)
         k_max = min(max(rows[i].params.logprobs for i in want), logp.shape[-1])
         top_vals, top_ids = (torch.topk(logp, k_max, dim=-1) if k_max > 0 else (None, None))
         sampled = logp.gather(1, torch.tensor([tokens[i] for i in want],

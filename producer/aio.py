@@ -17,7 +17,7 @@ from schemas import TERMINAL, JobResult, Keys
 from .client import PIPELINE_CHUNK
 from .config import key_prefix, redis_url
 from .protocol import (CANCEL_LUA, JOB_TTL_S, READ_COUNT, SUBMIT_LUA, backoff, block_ms,
-                       build_request, cancel_args, decode_event, last_terminal, submit_args,
+                       build_request, cancel_args, events_in, last_terminal, submit_args,
                        terminal_from_hash)
 from .replay import Replay
 
@@ -55,13 +55,11 @@ class AsyncJob:
             except _RETRY:
                 resp = None
                 await asyncio.sleep(next(delays))
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    ev = decode_event(fields)
-                    yield ev
-                    if ev.type in TERMINAL:
-                        return
+            for entry_id, ev in events_in(resp):
+                last = entry_id
+                yield ev
+                if ev.type in TERMINAL:
+                    return
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id}: no final event within {timeout} s")
 

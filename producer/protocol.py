@@ -70,6 +70,13 @@ def decode_event(fields: dict) -> Any:
     return _parse_event(fields["event"])
 
 
+def events_in(xread_reply) -> Iterator[tuple[str, Any]]:
+    """(entry id, decoded event) for every entry of an XREAD reply (None when it timed out)."""
+    for _, entries in xread_reply or []:
+        for entry_id, fields in entries:
+            yield entry_id, decode_event(fields)
+
+
 def terminal_from_hash(result: Optional[str], error: Optional[str]
                        ) -> Optional[Union[ResultEvent, ErrorEvent]]:
     if result:
