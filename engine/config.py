@@ -22,7 +22,7 @@ class EngineConfig:
     kv_cache_memory: int = 2 << 30  # bytes of K/V on the CPU when num_kv_blocks is not given
     gpu_memory_utilization: float = 0.85  # fraction of GPU memory for weights + KV on CUDA
     max_model_len: int | None = None
-    kernel_backend: str = "auto"  # "torch" | "triton" | "auto"
+    kernel_backend: str = "auto"  # "torch" | "cpu" | "triton" | "auto"
     num_threads: int | None = None  # torch intra-op threads on the CPU
     seed: int = 0
 

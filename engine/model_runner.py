@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_alloc import tune_malloc
 from engine.models.llama import rope_cache
 from engine.models.loader import load_model
 from kernels import get_backend
@@ -20,6 +21,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path, max_model_len: int):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            tune_malloc()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.model = load_model(model_path, self.dtype, self.device)

@@ -1,7 +1,9 @@
-"""Attention, KV-write, RMSNorm and rotary kernels: a torch reference and Triton versions.
+"""Attention, KV-write, RMSNorm and rotary kernels: a torch reference, C kernels for the CPU
+and Triton kernels for CUDA.
 
-`get_backend(name)` picks the implementation: "torch" (reference, CPU default), "triton"
-(CUDA default) or "auto". The env var GENPOOL_KERNEL_BACKEND overrides "auto".
+`get_backend(name)` picks the implementation: "torch" (the reference), "cpu" (the reference plus
+C kernels; CPU default when a C compiler is present, else "torch"), "triton" (CUDA default) or
+"auto". The env var GENPOOL_KERNEL_BACKEND overrides "auto".
 """
 from __future__ import annotations
 
@@ -21,12 +23,25 @@ def _triton_backend() -> SimpleNamespace:
     return build_backend()
 
 
+def _cpu_backend(required: bool) -> SimpleNamespace:
+    from kernels.cpu_backend import build_backend
+    backend = build_backend()
+    if backend is None:
+        if required:
+            raise RuntimeError("kernel backend 'cpu' needs a C compiler (cc/gcc/clang or $CC); see the log")
+        return _torch_backend()
+    return backend
+
+
 def get_backend(name: str = "auto", device: str = "cpu") -> SimpleNamespace:
     """Return an object exposing the four kernels of docs/design.md's kernel contract."""
-    if name == "auto":
-        name = os.environ.get("GENPOOL_KERNEL_BACKEND") or ("triton" if device.startswith("cuda") else "torch")
+    auto = name == "auto"
+    if auto:
+        name = os.environ.get("GENPOOL_KERNEL_BACKEND") or ("triton" if device.startswith("cuda") else "cpu")
     if name == "torch":
         return _torch_backend()
+    if name == "cpu":
+        return _cpu_backend(required=not auto)
     if name == "triton":
         return _triton_backend()
-    raise ValueError(f"unknown kernel backend {name!r}; expected 'torch', 'triton' or 'auto'")
+    raise ValueError(f"unknown kernel backend {name!r}; expected 'torch', 'cpu', 'triton' or 'auto'")

@@ -99,16 +99,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention for a flattened batch over the paged cache. q [T, Hq, D] -> [T, Hq, D]."""
+    return mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, _decode_rows)
+
+
+def mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, decode_rows):
+    """paged_attention with the decode rows (one query token each) handed to `decode_rows(q, k_cache,
+    v_cache, tables, lens, scale)`; prefill chunks go one sequence at a time through SDPA."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if len(decode) == len(q_lens):  # pure decode step: rows are already in order
-        return _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
         sel = torch.tensor(decode, device=q.device)
-        res = _decode_rows(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, sel),
+        res = decode_rows(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, sel),
                            seq_lens.index_select(0, sel), scale)
         out.index_copy_(0, rows, res)
     lens = seq_lens.tolist()

@@ -1,0 +1,212 @@
+/* Paged decode attention on the CPU: one query token per row, K/V read in place.
+ *
+ * The torch reference gathers every sequence's blocks into a padded copy and then runs SDPA
+ * over it, so the KV cache (at batch 48, fp32, about 2x the weights per step) crosses memory
+ * three times. Here each (row, kv head) pair walks its block table and reads each K and V
+ * vector once, for all query heads of its GQA group at the same time.
+ *
+ * Caches: [num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous, fp32 or bf16
+ * (dtype 0 / 1); q and out: [rows, num_heads, head_dim] contiguous, same dtype. Scores,
+ * softmax and the weighted sum of V are in fp32. Work is split over threads by KV length.
+ * Returns 0, or a negative code: -1 out of memory, -2 block id out of range, -3 bad length.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const void *q, *k, *v;
+    void *out;
+    const int32_t *tables, *lens;
+    int64_t hq, hkv, d, bs, width, num_blocks;
+    int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; /* element strides: block, slot, head */
+    float scale;
+    int dtype;
+    int64_t lo, hi, max_len; /* this thread's rows [lo, hi) */
+    int status;
+} job_t;
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Pointer to a K or V vector as fp32: in place for fp32, converted into tmp for bf16. */
+static inline const float *vec(const void *base, int64_t off, int dtype, int64_t d, float *tmp) {
+    if (dtype == 0) return (const float *)base + off;
+    const uint16_t *p = (const uint16_t *)base + off;
+    uint32_t *bits = (uint32_t *)tmp; /* bf16 is the top half of an fp32 (-fno-strict-aliasing) */
+#pragma omp simd
+    for (int64_t i = 0; i < d; i++) bits[i] = (uint32_t)p[i] << 16;
+    return tmp;
+}
+
+/* The n <= bs vectors of one block and kv head as fp32 rows `*stride` apart: in place for fp32,
+ * widened into tmp [bs, D] for bf16 (once per block and head, not once per query head). */
+static inline const float *block_rows(const job_t *j, const void *base, int64_t off, int64_t slot_stride,
+                                      int64_t n, int64_t D, float *tmp, int64_t *stride) {
+    if (j->dtype == 0) {
+        *stride = slot_stride;
+        return (const float *)base + off;
+    }
+    for (int64_t t = 0; t < n; t++) vec(base, off + t * slot_stride, 1, D, tmp + t * D);
+    *stride = D;
+    return tmp;
+}
+
+/* Scores of every query head of one row against every cached token: s[head * len + t].
+ * Inlined with D a compile-time constant for the common head sizes (see DISPATCH_D). */
+static inline __attribute__((always_inline)) int
+row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp, const int64_t D) {
+    const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
+    const int32_t *tab = j->tables + row * j->width;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
+        if (blk < 0 || blk >= j->num_blocks) return -2;
+        for (int64_t h = 0; h < j->hkv; h++) {
+            int64_t st;
+            const float *k = block_rows(j, j->k, blk * j->k_sb + h * j->k_sh, j->k_ss, n, D, tmp, &st);
+            for (int64_t g = h * G; g < (h + 1) * G; g++) {
+                const float *qg = qf + g * D;
+                float *sg = s + g * len + b * bs;
+                for (int64_t t = 0; t < n; t++) {
+                    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+                    for (int64_t i = 0; i < D; i++) a += qg[i] * k[t * st + i];
+                    sg[t] = a;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* acc[head] = sum over tokens of p[head * len + t] * V[t, kv head of head]; each head's
+ * accumulator stays in registers across a block (a local array of constant size D). */
+static inline __attribute__((always_inline)) void
+row_values_d(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp, const int64_t D) {
+    const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
+    const int32_t *tab = j->tables + row * j->width;
+    memset(acc, 0, sizeof(float) * j->hq * D);
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
+        for (int64_t h = 0; h < j->hkv; h++) {
+            int64_t st;
+            const float *v = block_rows(j, j->v, blk * j->v_sb + h * j->v_sh, j->v_ss, n, D, tmp, &st);
+            for (int64_t g = h * G; g < (h + 1) * G; g++) {
+                const float *pg = p + g * len + b * bs;
+                float a[D];
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) a[i] = acc[g * D + i];
+                for (int64_t t = 0; t < n; t++) {
+#pragma omp simd
+                    for (int64_t i = 0; i < D; i++) a[i] += pg[t] * v[t * st + i];
+                }
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) acc[g * D + i] = a[i];
+            }
+        }
+    }
+}
+
+/* Unrolled, fully vectorised inner loops for the usual head sizes; any other size still works. */
+#define DISPATCH_D(fn, ...) \
+    (j->d == 64 ? fn(__VA_ARGS__, 64) : j->d == 128 ? fn(__VA_ARGS__, 128) : fn(__VA_ARGS__, j->d))
+
+static int row_scores(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp) {
+    return DISPATCH_D(row_scores_d, j, row, len, qf, s, tmp);
+}
+
+static void row_values(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp) {
+    DISPATCH_D(row_values_d, j, row, len, p, acc, tmp);
+}
+
+/* One sequence row, all heads: K and V of each block are read once, front to back. */
+static int attend(const job_t *j, int64_t row, float *qf, float *acc, float *s, float *tmp) {
+    const int64_t D = j->d, len = j->lens[row];
+    if (len < 1 || len > j->width * j->bs) return -3;
+    for (int64_t g = 0; g < j->hq; g++) {
+        const float *qv = vec(j->q, (row * j->hq + g) * D, j->dtype, D, tmp);
+        for (int64_t i = 0; i < D; i++) qf[g * D + i] = qv[i] * j->scale;
+    }
+    int rc = row_scores(j, row, len, qf, s, tmp);
+    if (rc) return rc;
+    float sum[j->hq];
+    for (int64_t g = 0; g < j->hq; g++) {
+        float *sg = s + g * len, m = sg[0], z = 0.f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : z) /* vector expf from libmvec (-fno-math-errno) */
+        for (int64_t t = 0; t < len; t++) { sg[t] = expf(sg[t] - m); z += sg[t]; }
+        sum[g] = z;
+    }
+    row_values(j, row, len, s, acc, tmp);
+    for (int64_t g = 0; g < j->hq; g++) {
+        const float inv = 1.f / sum[g];
+        const int64_t off = (row * j->hq + g) * D;
+        for (int64_t i = 0; i < D; i++) {
+            const float o = acc[g * D + i] * inv;
+            if (j->dtype == 0) ((float *)j->out)[off + i] = o;
+            else ((uint16_t *)j->out)[off + i] = f32_to_bf16(o);
+        }
+    }
+    return 0;
+}
+
+static void *run(void *arg) {
+    job_t *j = (job_t *)arg;
+    const int64_t HD = j->hq * j->d;
+    float *buf = malloc(sizeof(float) * (2 * HD + j->bs * j->d + j->hq * (j->max_len > 0 ? j->max_len : 1)));
+    if (!buf) { j->status = -1; return NULL; }
+    for (int64_t row = j->lo; row < j->hi && j->status == 0; row++)
+        j->status = attend(j, row, buf, buf + HD, buf + 2 * HD + j->bs * j->d, buf + 2 * HD);
+    free(buf);
+    return NULL;
+}
+
+int paged_decode_attention(const void *q, const void *k, const void *v, void *out,
+                           const int32_t *tables, const int32_t *lens, int64_t rows,
+                           int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t width,
+                           int64_t num_blocks, const int64_t *k_strides, const int64_t *v_strides,
+                           float scale, int dtype, int nthreads) {
+    enum { MAX_THREADS = 64 };
+    job_t base = {q, k, v, out, tables, lens, hq, hkv, d, bs, width, num_blocks,
+                  k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
+                  scale, dtype, 0, 0, 0, 0};
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        total += lens[r];
+        if (lens[r] > base.max_len) base.max_len = lens[r];
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    if (nthreads > rows) nthreads = (int)rows;
+    if (total * hkv * d < (1 << 16)) nthreads = 1; /* too little work to pay for a thread */
+    job_t jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    /* Split rows so that each thread gets about the same number of K/V vectors to read. */
+    int64_t r = 0, acc = 0;
+    for (int n = 0; n < nthreads; n++) {
+        jobs[n] = base;
+        jobs[n].lo = r;
+        const int64_t goal = total * (n + 1) / nthreads;
+        while (r < rows && (acc < goal || n == nthreads - 1)) acc += lens[r++];
+        jobs[n].hi = r;
+    }
+    for (int n = 1; n < nthreads; n++)
+        started[n] = pthread_create(&tids[n], NULL, run, &jobs[n]) == 0;
+    run(&jobs[0]);
+    int status = jobs[0].status;
+    for (int n = 1; n < nthreads; n++) {
+        if (started[n]) pthread_join(tids[n], NULL);
+        else run(&jobs[n]); /* could not start a thread: do its share here */
+        if (jobs[n].status) status = jobs[n].status;
+    }
+    return status;
+}

@@ -1,0 +1,121 @@
+"""The C kernels of the CPU backend against the torch reference (kernels/ref.py).
+
+Decode attention is compared with the reference's gather + SDPA path on the same inputs:
+fp32 within 2e-5; bf16 within 1 bf16 ulp of the fp32 result (the kernel accumulates in fp32 and
+rounds once). The kernel must refuse what it cannot read safely instead of reading past memory.
+"""
+import pytest
+import torch
+
+from kernels import cpu_build, cpu_decode_attention, get_backend, ref
+
+pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")
+
+
+def make_case(rows, hq, hkv, d, bs, lens, dtype, seed=0, num_blocks=None):
+    g = torch.Generator().manual_seed(seed)
+    width = max((n + bs - 1) // bs for n in lens)
+    num_blocks = num_blocks or rows * width + 3
+    k = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    # Shuffled, non-contiguous block ids, as a long-running cache hands them out.
+    ids = torch.randperm(num_blocks, generator=g)[:rows * width].view(rows, width).to(torch.int32)
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    return q, k, v, ids, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("rows,hq,hkv,d,bs,lens", [
+    (1, 9, 3, 64, 16, [1]),                       # first decode token of a one-token prompt
+    (3, 9, 3, 64, 16, [16, 17, 500]),             # block edges and a long row
+    (5, 4, 4, 32, 8, [3, 9, 40, 8, 1]),           # no GQA, other head and block sizes
+    (4, 8, 2, 128, 16, [130, 7, 64, 33]),         # head_dim 128 (the other specialised size)
+    (2, 6, 3, 48, 4, [11, 5]),                    # a head size with no specialisation
+    (40, 9, 3, 64, 16, list(range(20, 820, 20))), # enough work to use every thread
+])
+def test_decode_attention_matches_reference_fp32(rows, hq, hkv, d, bs, lens):
+    q, k, v, ids, lens_t = make_case(rows, hq, hkv, d, bs, lens, torch.float32)
+    want = ref._decode_rows(q, k, v, ids, lens_t, d ** -0.5)
+    got = cpu_decode_attention.decode_attention(q, k, v, ids, lens_t, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_bf16_within_one_ulp_of_fp32():
+    q, k, v, ids, lens = make_case(6, 9, 3, 64, 16, [1, 15, 16, 100, 333, 64], torch.bfloat16, seed=1)
+    exact = ref._decode_rows(q.float(), k.float(), v.float(), ids, lens, 0.125)
+    got = cpu_decode_attention.decode_attention(q, k, v, ids, lens, 0.125)
+    assert got.dtype == torch.bfloat16
+    ulp = exact.abs().clamp_min(1e-3) * 2 ** -7
+    assert bool(((got.float() - exact).abs() <= ulp).all())
+
+
+def test_backend_routes_decode_rows_of_a_mixed_batch_to_the_kernel():
+    """Through the backend's paged_attention: two decode rows around a prefill chunk."""
+    torch.manual_seed(3)
+    bs, hq, hkv, d = 16, 9, 3, 64
+    k = torch.randn(20, bs, hkv, d)
+    v = torch.randn(20, bs, hkv, d)
+    tables = torch.tensor([[4, 9, 0], [7, 1, 2], [3, 5, 0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 41, 42], dtype=torch.int32)  # decode, 40-token chunk, decode
+    lens = torch.tensor([20, 45, 31], dtype=torch.int32)
+    q = torch.randn(42, hq, d)
+    cpu = get_backend("cpu")
+    assert cpu.name == "cpu"
+    want = ref.paged_attention(q, k, v, tables, qsl, lens, 0.125)
+    got = cpu.paged_attention(q, k, v, tables, qsl, lens, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_out_of_range_block_id_is_an_error_not_a_wild_read():
+    q, k, v, ids, lens = make_case(2, 9, 3, 64, 16, [20, 20], torch.float32, num_blocks=8)
+    ids[1, 1] = 8  # one past the last block
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_decode_attention.decode_attention(q, k, v, ids, lens, 0.125)
+    ids[1, 1] = -1
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_decode_attention.decode_attention(q, k, v, ids, lens, 0.125)
+
+
+def test_length_beyond_the_block_table_is_refused():
+    q, k, v, ids, lens = make_case(1, 9, 3, 64, 16, [32], torch.float32)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        cpu_decode_attention.decode_attention(q, k, v, ids, torch.tensor([33], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        cpu_decode_attention.decode_attention(q, k, v, ids, torch.tensor([0], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda c: dict(c, q=c["q"].to(torch.float16)), "dtypes"),
+    (lambda c: dict(c, v_cache=c["v_cache"][:, :, :, :32].contiguous()), "shapes"),
+    (lambda c: dict(c, q=c["q"][:, :8]), "shapes"),
+    (lambda c: dict(c, block_tables=c["block_tables"][:1]), "block_tables"),
+    (lambda c: dict(c, k_cache=c["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), "contiguous"),
+])
+def test_launcher_checks_shapes_and_dtypes(change, match):
+    q, k, v, ids, lens = make_case(2, 9, 3, 64, 16, [5, 6], torch.float32)
+    case = dict(q=q, k_cache=k, v_cache=v, block_tables=ids, seq_lens=lens, scale=0.125)
+    with pytest.raises(ValueError, match=match):
+        cpu_decode_attention.decode_attention(**change(case))
+
+
+def test_library_is_built_once_per_source_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("GENPOOL_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert cpu_build.load("cpu_decode_attention") is not None
+    built = list((tmp_path / "kernels").glob("cpu_decode_attention-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert cpu_build.load("cpu_decode_attention") is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    assert not list((tmp_path / "kernels").glob("*.so.tmp*")) and len(list((tmp_path / "kernels").iterdir())) == 1
+
+
+def test_no_compiler_means_torch_backend_for_auto_and_an_error_for_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("GENPOOL_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.delenv("GENPOOL_KERNEL_BACKEND", raising=False)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_decode_attention, "_fn", None)
+    assert get_backend("auto", "cpu").name == "torch"
+    with pytest.raises(RuntimeError, match="C compiler"):
+        get_backend("cpu")
