@@ -1,4 +1,4 @@
-"""Attention, KV-write, RMSNorm and rotary kernels: a torch reference, C kernels for the CPU
+"""Attention, KV-write, RMSNorm, rotary and SwiGLU kernels: a torch reference, C kernels for the CPU
 and Triton kernels for CUDA.
 
 `get_backend(name)` picks the implementation: "torch" (the reference), "cpu" (the reference plus
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-KERNEL_NAMES = ("write_kv", "paged_attention", "rms_norm", "rotary")
+KERNEL_NAMES = ("write_kv", "paged_attention", "rms_norm", "rotary", "silu_and_mul")
 
 
 def _torch_backend() -> SimpleNamespace:
@@ -34,7 +34,7 @@ def _cpu_backend(required: bool) -> SimpleNamespace:
 
 
 def get_backend(name: str = "auto", device: str = "cpu") -> SimpleNamespace:
-    """Return an object exposing the four kernels of docs/design.md's kernel contract."""
+    """Return an object exposing the kernels of docs/design.md's kernel contract."""
     auto = name == "auto"
     if auto:
         name = os.environ.get("GENPOOL_KERNEL_BACKEND") or ("triton" if device.startswith("cuda") else "cpu")

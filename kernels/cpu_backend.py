@@ -1,21 +1,36 @@
 """The CPU kernel backend: the torch reference with its hot spots replaced by C kernels.
 
-Decode rows of paged attention go to kernels/cpu_decode_attention.c, which reads K/V in place
-from the paged cache instead of gathering padded copies; prefill chunks keep the reference's
-fused SDPA (compute-bound, where torch's flash kernel is hard to beat). `build_backend()` returns
-None when the C kernels cannot be built (no compiler), and the caller uses "torch" instead.
+- paged attention: decode rows go to kernels/cpu_decode_attention.c, which reads K/V in place
+  from the paged cache instead of gathering padded copies; prefill chunks keep the reference's
+  fused SDPA (compute-bound, where torch's flash kernel is hard to beat);
+- rotary: kernels/cpu_rotary.c, one pass instead of ~14 torch ops (bit-identical);
+- silu_and_mul: kernels/cpu_silu_mul.c, one pass over the fused gate_up output instead of two
+  over its strided halves;
+- rms_norm: kernels/cpu_rms_norm.c for fp32 (one pass instead of 7 ops); bf16 keeps the
+  reference, whose vectorised bf16 conversions beat the C kernel's scalar ones.
+`build_backend()` returns None when the C kernels cannot be built (no compiler), and the caller
+uses "torch" instead.
 """
 from __future__ import annotations
 
 from functools import partial
 from types import SimpleNamespace
 
-from kernels import cpu_decode_attention, ref
+import torch
+
+from kernels import cpu_decode_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul, ref
+
+
+def _rms_norm(x, weight, eps, residual=None):
+    if x.dtype == torch.float32 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
+        return cpu_rms_norm.rms_norm(x, weight, eps, residual)
+    return ref.rms_norm(x, weight, eps, residual)
 
 
 def build_backend() -> SimpleNamespace | None:
-    if not cpu_decode_attention.available():
+    kernels = (cpu_decode_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
+    if not all(k.available() for k in kernels):
         return None
     attention = partial(ref.mixed_attention, decode_rows=cpu_decode_attention.decode_attention)
     return SimpleNamespace(name="cpu", write_kv=ref.write_kv, paged_attention=attention,
-                           rms_norm=ref.rms_norm, rotary=ref.rotary)
+                           rms_norm=_rms_norm, rotary=cpu_rotary.rotary, silu_and_mul=cpu_silu_mul.silu_and_mul)

@@ -24,8 +24,8 @@ HERE = Path(__file__).resolve().parent
 # -march=native: the library is built on the machine that runs it (the hash includes the host).
 # -fopenmp-simd: honour `#pragma omp simd` reductions without -ffast-math's other licences.
 # -fno-strict-aliasing: the bf16 kernels widen bf16 to fp32 by writing the bits of a float buffer.
-# -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off); -fno-math-errno lets expf
-# loops use glibc's vector expf (libmvec).
+# -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off; the kernels that must round
+# like torch turn them off per function); -fno-math-errno: floorf etc. inline and vectorise.
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-strict-aliasing", "-ffp-contract=fast",
           "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -41,7 +41,7 @@ def _compiler() -> str | None:
 
 
 def library_path(name: str, cc: str) -> Path:
-    src = (HERE / f"{name}.c").read_bytes()
+    src = (HERE / f"{name}.c").read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     key = hashlib.sha256(src + " ".join([cc, *CFLAGS, platform.machine(), platform.node()]).encode())
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
@@ -51,7 +51,7 @@ def _compile(name: str, cc: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *CFLAGS, "-o", tmp, str(HERE / f"{name}.c"), "-lm", "-lmvec", "-lpthread"]
+        cmd = [cc, *CFLAGS, "-I", str(HERE), "-o", tmp, str(HERE / f"{name}.c"), "-lm", "-lpthread"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
@@ -59,6 +59,16 @@ def _compile(name: str, cc: str, out: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def function(name: str, symbol: str, argtypes: list, restype=None):
+    """One C function of kernels/{name}.c with its ctypes signature, or None (no compiler)."""
+    lib = load(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 def load(name: str) -> ctypes.CDLL | None:

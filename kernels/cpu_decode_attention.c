@@ -10,6 +10,7 @@
  * softmax and the weighted sum of V are in fp32. Work is split over threads by KV length.
  * Returns 0, or a negative code: -1 out of memory, -2 block id out of range, -3 bad length.
  */
+#include "cpu_parallel.h"
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -141,8 +142,11 @@ static int attend(const job_t *j, int64_t row, float *qf, float *acc, float *s, 
         float *sg = s + g * len, m = sg[0], z = 0.f;
 #pragma omp simd reduction(max : m)
         for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
-#pragma omp simd reduction(+ : z) /* vector expf from libmvec (-fno-math-errno) */
-        for (int64_t t = 0; t < len; t++) { sg[t] = expf(sg[t] - m); z += sg[t]; }
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sg[t] -= m;
+        vexpf_inplace(sg, len);
+#pragma omp simd reduction(+ : z)
+        for (int64_t t = 0; t < len; t++) z += sg[t];
         sum[g] = z;
     }
     row_values(j, row, len, s, acc, tmp);

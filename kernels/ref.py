@@ -135,6 +135,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * xf.to(x.dtype), x
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a fused gate_up output: x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox / HF rotate_half rotary embedding; cos_sin [max_pos, D] = [cos | sin] halves."""

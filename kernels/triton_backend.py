@@ -1,4 +1,4 @@
-"""The Triton kernel backend: the four kernels of docs/design.md's contract as one object.
+"""The Triton kernel backend: the kernels of docs/design.md's contract as one object.
 
 `kernels.get_backend("triton")` calls `build_backend()`. Importing this module imports triton,
 so it is only imported when that backend is asked for. Set TRITON_INTERPRET=1 before the first
@@ -12,6 +12,7 @@ def build_backend() -> SimpleNamespace:
     from kernels.triton_paged_attention import paged_attention
     from kernels.triton_rms_norm import rms_norm
     from kernels.triton_rotary import rotary
+    from kernels.ref import silu_and_mul  # element-wise: torch's own CUDA kernels do it
 
     return SimpleNamespace(name="triton", write_kv=write_kv, paged_attention=paged_attention,
-                           rms_norm=rms_norm, rotary=rotary)
+                           rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul)

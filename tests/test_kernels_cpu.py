@@ -3,11 +3,14 @@
 Decode attention is compared with the reference's gather + SDPA path on the same inputs:
 fp32 within 2e-5; bf16 within 1 bf16 ulp of the fp32 result (the kernel accumulates in fp32 and
 rounds once). The kernel must refuse what it cannot read safely instead of reading past memory.
+Rotary rounds exactly as the reference (bit-identical); RMSNorm's residual sum is exact and its
+output within a few fp32 ulp (another summation order for the mean square); SwiGLU too
+(its own vectorised exp).
 """
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_decode_attention, get_backend, ref
+from kernels import cpu_build, cpu_decode_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul, get_backend, ref
 
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")
 
@@ -119,3 +122,64 @@ def test_no_compiler_means_torch_backend_for_auto_and_an_error_for_cpu(tmp_path,
     assert get_backend("auto", "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="C compiler"):
         get_backend("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 7, 3000])  # 3000 rows: split over threads
+def test_rotary_is_bit_identical_to_the_reference_on_fused_qkv_views(dtype, t):
+    g = torch.Generator().manual_seed(t)
+    qkv = torch.randn(t, 960, generator=g).to(dtype)
+    q, k = qkv[:, :576].view(t, 9, 64), qkv[:, 576:768].view(t, 3, 64)  # strided rows, as the model has
+    pos = torch.randint(0, 4096, (t,), generator=g)
+    cos_sin = torch.randn(4096, 64, generator=g)
+    want, got = ref.rotary(q, k, pos, cos_sin), cpu_rotary.rotary(q, k, pos, cos_sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+
+
+def test_rotary_refuses_positions_outside_its_table():
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        cpu_rotary.rotary(q, k, torch.tensor([0, 16]), torch.randn(16, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_rotary.rotary(q.transpose(1, 2).contiguous().transpose(1, 2), k, torch.tensor([0, 1]), torch.randn(16, 8))
+
+
+@pytest.mark.parametrize("t", [1, 5, 2048])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_fp32_matches_the_reference(t, with_residual):
+    g = torch.Generator().manual_seed(t)
+    x, res, w = torch.randn(t, 576, generator=g), torch.randn(t, 576, generator=g), torch.randn(576, generator=g)
+    residual = res if with_residual else None
+    want, got = ref.rms_norm(x, w, 1e-5, residual), cpu_rms_norm.rms_norm(x, w, 1e-5, residual)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=5e-7)
+
+
+def test_rms_norm_bf16_rounds_where_the_reference_rounds():
+    g = torch.Generator().manual_seed(9)
+    x, res, w = (torch.randn(64, 576, generator=g).bfloat16(), torch.randn(64, 576, generator=g).bfloat16(),
+                 torch.randn(576, generator=g).bfloat16())
+    want, got = ref.rms_norm(x, w, 1e-6, res), cpu_rms_norm.rms_norm(x, w, 1e-6, res)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 3, 2048])
+def test_silu_and_mul_matches_the_reference(dtype, t):
+    g = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, 2 * 1536, generator=g) * 4).to(dtype)
+    x[0, :6] = torch.tensor([-100.0, -88.0, -20.0, 0.0, 20.0, 100.0]).to(dtype)  # exp's clamps
+    want, got = ref.silu_and_mul(x), cpu_silu_mul.silu_and_mul(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-30, rtol=4e-7)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2 ** -7)
+
+
+def test_silu_and_mul_checks_its_input():
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        cpu_silu_mul.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        cpu_silu_mul.silu_and_mul(torch.randn(4, 8, dtype=torch.float16))

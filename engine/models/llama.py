@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 @dataclass
@@ -81,12 +80,36 @@ def _llama3_scale(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+class Linear(nn.Module):
+    """y = x @ weight_t (+ bias), the weight kept transposed: [in, out] contiguous. On this CPU,
+    GEMMs at decode batch sizes (1-48 rows) ran 20-30% faster from that layout than through
+    F.linear's [out, in] (weights streamed from DRAM, 30 layers); prefill-sized ones are on par."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+        self._register_load_state_dict_pre_hook(self._transpose)
+
+    def _transpose(self, state, prefix, *args):
+        # Runs after the parent's fusing hooks (parents load first), so sees fused weights.
+        w = state.pop(f"{prefix}weight", None)
+        if w is not None:
+            state[f"{prefix}weight_t"] = w.t().contiguous()
+
+    def forward(self, x):
+        # x [T, in] -> [T, out]
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.nh, self.nkv, self.hd = args.num_heads, args.num_kv_heads, args.head_dim
-        self.qkv = nn.Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, args.hidden_size, bias=False)
+        self.qkv = Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
+        self.o_proj = Linear(self.nh * self.hd, args.hidden_size)
         self.scale = self.hd ** -0.5
         self._register_load_state_dict_pre_hook(self._fuse_qkv)
 
@@ -111,8 +134,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up = Linear(args.hidden_size, 2 * args.intermediate_size)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size)
         self._register_load_state_dict_pre_hook(self._fuse_gate_up)
 
     def _fuse_gate_up(self, state, prefix, *args):
@@ -120,9 +143,9 @@ class MLP(nn.Module):
         if g in state:
             state[f"{prefix}gate_up.weight"] = torch.cat([state.pop(g), state.pop(u)])
 
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, kern):
+        # x [T, H] -> gate_up [T, 2I] -> silu(gate) * up [T, I] -> [T, H]
+        return self.down_proj(kern.silu_and_mul(self.gate_up(x)))
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +170,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual, kern)
         h = self.self_attn(h, positions, kv, meta, kern)
         h, residual = self.post_attention_layernorm(h, residual, kern)
-        return self.mlp(h), residual
+        return self.mlp(h, kern), residual
 
 
 class LlamaModel(nn.Module):
@@ -163,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size)
 
     def forward(self, input_ids, positions, kv_caches, meta, kern):
         # input_ids, positions: [T] -> hidden [T, H] (final-normed)

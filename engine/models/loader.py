@@ -41,10 +41,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if tied and not args.tie_word_embeddings:
         raise ValueError(f"{path}: checkpoint has no lm_head.weight and does not tie embeddings")
     result = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight_t")]
     if missing or result.unexpected_keys:
         raise ValueError(f"{path}: weights do not match the config: missing={missing[:8]} "
                          f"unexpected={result.unexpected_keys[:8]}")
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if tied:  # a transposed copy: the embedding looks up rows, the lm_head wants [hidden, vocab]
+        model.lm_head.weight_t = torch.nn.Parameter(model.model.embed_tokens.weight.t().contiguous())
     return model.to(device).eval().requires_grad_(False)
