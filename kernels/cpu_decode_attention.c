@@ -2,15 +2,15 @@
  *
  * The torch reference gathers every sequence's blocks into a padded copy and then runs SDPA
  * over it, so the KV cache (at batch 48, fp32, about 2x the weights per step) crosses memory
- * three times. Here each (row, kv head) pair walks its block table and reads each K and V
- * vector once, for all query heads of its GQA group at the same time.
+ * three times. Here each row walks its block table block by block and reads each K and V
+ * vector once, for all query heads of the vector's GQA group at the same time.
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous, fp32 or bf16
  * (dtype 0 / 1); q and out: [rows, num_heads, head_dim] contiguous, same dtype. Scores,
  * softmax and the weighted sum of V are in fp32. Work is split over threads by KV length.
  * Returns 0, or a negative code: -1 out of memory, -2 block id out of range, -3 bad length.
  */
-#include "cpu_parallel.h"
+#include "cpu_common.h"
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -28,14 +28,6 @@ typedef struct {
     int64_t lo, hi, max_len; /* this thread's rows [lo, hi) */
     int status;
 } job_t;
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* Pointer to a K or V vector as fp32: in place for fp32, converted into tmp for bf16. */
 static inline const float *vec(const void *base, int64_t off, int dtype, int64_t d, float *tmp) {
@@ -156,7 +148,7 @@ static int attend(const job_t *j, int64_t row, float *qf, float *acc, float *s, 
         for (int64_t i = 0; i < D; i++) {
             const float o = acc[g * D + i] * inv;
             if (j->dtype == 0) ((float *)j->out)[off + i] = o;
-            else ((uint16_t *)j->out)[off + i] = f32_to_bf16(o);
+            else ((uint16_t *)j->out)[off + i] = f32_bf16(o);
         }
     }
     return 0;

@@ -6,7 +6,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_parallel.h"
+#include "cpu_common.h"
 
 typedef struct {
     const void *x, *res, *w;

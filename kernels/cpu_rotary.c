@@ -6,7 +6,7 @@
  * x: [T, H, D] with row stride sx (heads contiguous, D contiguous); out: [T, H, D] contiguous. */
 #include <stdint.h>
 
-#include "cpu_parallel.h"
+#include "cpu_common.h"
 
 typedef struct {
     const void *q, *k;

@@ -1,11 +1,11 @@
 /* SwiGLU activation: out[t, i] = silu(x[t, i]) * x[t, I + i] over the fused gate_up output
  * x [T, 2I], in one pass. The reference (F.silu on a strided half, then a multiply with the other
  * strided half) makes two passes through a buffer that, at prefill sizes, is far out of cache.
- * silu(g) = g / (1 + exp(-g)) in fp32 (vexpf_inplace, cpu_parallel.h); dtype 0 = fp32, 1 = bf16. */
+ * silu(g) = g / (1 + exp(-g)) in fp32 (vexpf_inplace, cpu_common.h); dtype 0 = fp32, 1 = bf16. */
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_parallel.h"
+#include "cpu_common.h"
 
 typedef struct {
     const void *x;

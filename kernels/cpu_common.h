@@ -1,8 +1,11 @@
-/* Row-parallel helper shared by the element-wise CPU kernels: split [0, rows) into one contiguous
- * range per thread (pthreads, created per call: the work is large when more
- * than one thread is used (256K elements), so the ~20-40 us per thread is noise). */
-#ifndef GENPOOL_CPU_PARALLEL_H
-#define GENPOOL_CPU_PARALLEL_H
+/* Helpers shared by the CPU kernels: bf16 <-> fp32 as torch rounds, a vectorisable exp, and a
+ * row-parallel loop for the element-wise kernels.
+ *
+ * parallel_rows splits [0, rows) into one contiguous range per thread. Threads are created per
+ * call: more than one is used only for >= 256K elements of work, where the ~20-40 us per thread
+ * is noise. */
+#ifndef GENPOOL_CPU_COMMON_H
+#define GENPOOL_CPU_COMMON_H
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
