@@ -51,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kernel-backend", default="auto")
+    g.add_argument("--kernel-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="auto: triton on CUDA, cpu (C kernels) on the CPU when a C compiler is present, else torch")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
