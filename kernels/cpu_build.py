@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
@@ -29,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-strict-aliasing", "-ffp-contract=fast",
           "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
+# The `dtype` argument of every C kernel: which element type its tensors hold.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def cache_dir() -> Path:

@@ -1,49 +1,65 @@
-/* Helpers shared by the CPU kernels: bf16 <-> fp32 as torch rounds, a vectorisable exp, and a
- * row-parallel loop for the element-wise kernels.
+/* Helpers shared by the CPU kernels: bf16 <-> fp32 as torch rounds, a vectorisable exp, and
+ * running a kernel's rows on several threads.
  *
- * parallel_rows splits [0, rows) into one contiguous range per thread. Threads are created per
- * call: more than one is used only for >= 256K elements of work, where the ~20-40 us per thread
- * is noise. */
+ * Threads are created per call (~20-40 us each): parallel_rows uses more than one only for >= 256K
+ * elements of work, where that is noise. */
 #ifndef GENPOOL_CPU_COMMON_H
 #define GENPOOL_CPU_COMMON_H
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 
-typedef void (*rows_fn)(const void *args, int64_t lo, int64_t hi);
+enum { MAX_THREADS = 64 };
+
+/* Work on rows [lo, hi): returns 0, or a negative error code of the kernel's own. */
+typedef int (*range_fn)(const void *args, int64_t lo, int64_t hi);
 
 typedef struct {
-    rows_fn fn;
+    range_fn fn;
     const void *args;
     int64_t lo, hi;
-} rows_job;
+    int status;
+} range_job;
 
-static void *rows_run(void *p) {
-    rows_job *j = (rows_job *)p;
-    j->fn(j->args, j->lo, j->hi);
+static void *range_run(void *p) {
+    range_job *j = (range_job *)p;
+    j->status = j->fn(j->args, j->lo, j->hi);
     return 0;
 }
 
-static void parallel_rows(rows_fn fn, const void *args, int64_t rows, int64_t work_per_row, int nthreads) {
-    enum { MAX_THREADS = 64 };
-    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    if (nthreads > rows) nthreads = (int)rows;
-    if (rows * work_per_row < (1 << 18) || nthreads < 2) {
-        fn(args, 0, rows);
-        return;
-    }
-    rows_job jobs[MAX_THREADS];
+/* fn over [bounds[i], bounds[i + 1]) for i < n (n <= MAX_THREADS), one thread each, the caller's
+ * thread taking the first; a range whose thread cannot start runs here. First error wins. */
+static int run_ranges(range_fn fn, const void *args, const int64_t *bounds, int n) {
+    range_job jobs[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    for (int n = 0; n < nthreads; n++) {
-        jobs[n] = (rows_job){fn, args, rows * n / nthreads, rows * (n + 1) / nthreads};
-        if (n > 0) started[n] = pthread_create(&tids[n], 0, rows_run, &jobs[n]) == 0;
+    for (int i = 0; i < n; i++) {
+        jobs[i] = (range_job){fn, args, bounds[i], bounds[i + 1], 0};
+        if (i > 0) started[i] = pthread_create(&tids[i], 0, range_run, &jobs[i]) == 0;
     }
-    rows_run(&jobs[0]);
-    for (int n = 1; n < nthreads; n++) {
-        if (started[n]) pthread_join(tids[n], 0);
-        else rows_run(&jobs[n]); /* no thread: do its share here */
+    range_run(&jobs[0]);
+    int status = jobs[0].status;
+    for (int i = 1; i < n; i++) {
+        if (started[i]) pthread_join(tids[i], 0);
+        else range_run(&jobs[i]);
+        if (!status) status = jobs[i].status;
     }
+    return status;
+}
+
+/* Clamp a thread count to [1, min(MAX_THREADS, items)]. */
+static inline int thread_count(int nthreads, int64_t items) {
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    if (nthreads > items) nthreads = (int)items;
+    return nthreads < 1 ? 1 : nthreads;
+}
+
+/* Equal contiguous shares of [0, rows). */
+static int parallel_rows(range_fn fn, const void *args, int64_t rows, int64_t work_per_row, int nthreads) {
+    int n = rows * work_per_row < (1 << 18) ? 1 : thread_count(nthreads, rows);
+    int64_t bounds[MAX_THREADS + 1];
+    for (int i = 0; i <= n; i++) bounds[i] = rows * i / n;
+    return run_ranges(fn, args, bounds, n);
 }
 
 /* bf16 <-> fp32 as torch converts: widening is exact, narrowing rounds to nearest even. */

@@ -12,7 +12,6 @@
  */
 #include "cpu_common.h"
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,8 +24,7 @@ typedef struct {
     int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; /* element strides: block, slot, head */
     float scale;
     int dtype;
-    int64_t lo, hi, max_len; /* this thread's rows [lo, hi) */
-    int status;
+    int64_t max_len;
 } job_t;
 
 /* Pointer to a K or V vector as fp32: in place for fp32, converted into tmp for bf16. */
@@ -154,55 +152,39 @@ static int attend(const job_t *j, int64_t row, float *qf, float *acc, float *s, 
     return 0;
 }
 
-static void *run(void *arg) {
-    job_t *j = (job_t *)arg;
+/* Rows [lo, hi) with this thread's scratch: scaled q, accumulators, one widened block, scores. */
+static int rows(const void *arg, int64_t lo, int64_t hi) {
+    const job_t *j = (const job_t *)arg;
     const int64_t HD = j->hq * j->d;
-    float *buf = malloc(sizeof(float) * (2 * HD + j->bs * j->d + j->hq * (j->max_len > 0 ? j->max_len : 1)));
-    if (!buf) { j->status = -1; return NULL; }
-    for (int64_t row = j->lo; row < j->hi && j->status == 0; row++)
-        j->status = attend(j, row, buf, buf + HD, buf + 2 * HD + j->bs * j->d, buf + 2 * HD);
+    float *buf = malloc(sizeof(float) * (2 * HD + j->bs * j->d + j->hq * j->max_len));
+    if (!buf) return -1;
+    int status = 0;
+    for (int64_t row = lo; row < hi && status == 0; row++)
+        status = attend(j, row, buf, buf + HD, buf + 2 * HD + j->bs * j->d, buf + 2 * HD);
     free(buf);
-    return NULL;
+    return status;
 }
 
 int paged_decode_attention(const void *q, const void *k, const void *v, void *out,
-                           const int32_t *tables, const int32_t *lens, int64_t rows,
+                           const int32_t *tables, const int32_t *lens, int64_t nrows,
                            int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t width,
                            int64_t num_blocks, const int64_t *k_strides, const int64_t *v_strides,
                            float scale, int dtype, int nthreads) {
-    enum { MAX_THREADS = 64 };
-    job_t base = {q, k, v, out, tables, lens, hq, hkv, d, bs, width, num_blocks,
-                  k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
-                  scale, dtype, 0, 0, 0, 0};
+    job_t j = {q, k, v, out, tables, lens, hq, hkv, d, bs, width, num_blocks,
+               k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
+               scale, dtype, 1};
     int64_t total = 0;
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < nrows; r++) {
         total += lens[r];
-        if (lens[r] > base.max_len) base.max_len = lens[r];
+        if (lens[r] > j.max_len) j.max_len = lens[r];
     }
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    if (nthreads > rows) nthreads = (int)rows;
-    if (total * hkv * d < (1 << 16)) nthreads = 1; /* too little work to pay for a thread */
-    job_t jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
+    int n = total * hkv * d < (1 << 16) ? 1 : thread_count(nthreads, nrows); /* small: one thread */
     /* Split rows so that each thread gets about the same number of K/V vectors to read. */
-    int64_t r = 0, acc = 0;
-    for (int n = 0; n < nthreads; n++) {
-        jobs[n] = base;
-        jobs[n].lo = r;
-        const int64_t goal = total * (n + 1) / nthreads;
-        while (r < rows && (acc < goal || n == nthreads - 1)) acc += lens[r++];
-        jobs[n].hi = r;
+    int64_t bounds[MAX_THREADS + 1] = {0}, r = 0, acc = 0;
+    for (int i = 0; i < n; i++) {
+        const int64_t goal = total * (i + 1) / n;
+        while (r < nrows && (acc < goal || i == n - 1)) acc += lens[r++];
+        bounds[i + 1] = r;
     }
-    for (int n = 1; n < nthreads; n++)
-        started[n] = pthread_create(&tids[n], NULL, run, &jobs[n]) == 0;
-    run(&jobs[0]);
-    int status = jobs[0].status;
-    for (int n = 1; n < nthreads; n++) {
-        if (started[n]) pthread_join(tids[n], NULL);
-        else run(&jobs[n]); /* could not start a thread: do its share here */
-        if (jobs[n].status) status = jobs[n].status;
-    }
-    return status;
+    return run_ranges(rows, &j, bounds, n);
 }

@@ -5,29 +5,23 @@ Reference: kernels/ref.py `_decode_rows` (gather + SDPA); tests/test_kernels_cpu
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 
 import torch
 
 from kernels import cpu_build
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = cpu_build.DTYPE_CODES
 _ERRORS = {-1: "out of memory", -2: "block id out of range", -3: "sequence length outside its block table"}
-_fn = None
 
 
+@cache
 def _kernel():
-    global _fn
-    if _fn is None:
-        lib = cpu_build.load("cpu_decode_attention")
-        if lib is None:
-            return None
-        f = lib.paged_decode_attention
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                      ctypes.POINTER(i64), ctypes.POINTER(i64), ctypes.c_float, ctypes.c_int, ctypes.c_int]
-        f.restype = ctypes.c_int
-        _fn = f
-    return _fn
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return cpu_build.function(
+        "cpu_decode_attention", "paged_decode_attention",
+        [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+         ctypes.POINTER(i64), ctypes.POINTER(i64), ctypes.c_float, ctypes.c_int, ctypes.c_int], ctypes.c_int)
 
 
 def available() -> bool:

@@ -49,7 +49,7 @@ static float row_sum(const args_t *a, int64_t r, float *restrict v) {
     return ss;
 }
 
-static void rows(const void *vargs, int64_t lo, int64_t hi) {
+static int rows(const void *vargs, int64_t lo, int64_t hi) {
     const args_t *a = (const args_t *)vargs;
     const int64_t h = a->h;
     float v[h];
@@ -66,6 +66,7 @@ static void rows(const void *vargs, int64_t lo, int64_t hi) {
                 out[i] = f32_bf16(ld(a->w, i, 1) * bf16_f32(f32_bf16(v[i] * inv)));
         }
     }
+    return 0;
 }
 
 void rms_norm(const void *x, const void *res, const void *w, void *out, void *sum_out, int64_t n, int64_t h,

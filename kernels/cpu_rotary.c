@@ -15,7 +15,6 @@ typedef struct {
     const float *cs;
     int64_t hq, hk, d, sq, sk, max_pos;
     int dtype;
-    int bad;
 } args_t;
 
 __attribute__((optimize("fp-contract=off")))
@@ -43,22 +42,22 @@ static void rotate(const void *x, void *o, int64_t heads, int64_t d, const float
     }
 }
 
-static void rows(const void *vargs, int64_t lo, int64_t hi) {
-    args_t *a = (args_t *)vargs;
+static int rows(const void *vargs, int64_t lo, int64_t hi) {
+    const args_t *a = (const args_t *)vargs;
     const int64_t es = a->dtype == 0 ? 4 : 2;
     for (int64_t t = lo; t < hi; t++) {
         const int64_t p = a->pos[t];
-        if (p < 0 || p >= a->max_pos) { a->bad = 1; continue; }
+        if (p < 0 || p >= a->max_pos) return -1;
         const float *c = a->cs + p * a->d;
         rotate((const char *)a->q + t * a->sq * es, (char *)a->qo + t * a->hq * a->d * es, a->hq, a->d, c, a->dtype);
         rotate((const char *)a->k + t * a->sk * es, (char *)a->ko + t * a->hk * a->d * es, a->hk, a->d, c, a->dtype);
     }
+    return 0;
 }
 
 /* Returns 0, or -1 when a position lies outside the cos/sin table. */
 int rotary(const void *q, const void *k, void *qo, void *ko, const int64_t *pos, const float *cs, int64_t n,
            int64_t hq, int64_t hk, int64_t d, int64_t sq, int64_t sk, int64_t max_pos, int dtype, int nthreads) {
-    args_t a = {q, k, qo, ko, pos, cs, hq, hk, d, sq, sk, max_pos, dtype, 0};
-    parallel_rows(rows, &a, n, (hq + hk) * d, nthreads);
-    return a.bad ? -1 : 0;
+    args_t a = {q, k, qo, ko, pos, cs, hq, hk, d, sq, sk, max_pos, dtype};
+    return parallel_rows(rows, &a, n, (hq + hk) * d, nthreads);
 }

@@ -52,10 +52,11 @@ static void rows_bf16(const args_t *a, int64_t lo, int64_t hi) {
     }
 }
 
-static void rows(const void *vargs, int64_t lo, int64_t hi) {
+static int rows(const void *vargs, int64_t lo, int64_t hi) {
     const args_t *a = (const args_t *)vargs;
     if (a->dtype == 0) rows_f32(a, lo, hi);
     else rows_bf16(a, lo, hi);
+    return 0;
 }
 
 void silu_mul(const void *x, void *out, int64_t t, int64_t inter, int64_t sx, int dtype, int nthreads) {

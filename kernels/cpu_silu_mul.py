@@ -8,7 +8,7 @@ import torch
 
 from kernels import cpu_build
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = cpu_build.DTYPE_CODES
 
 
 @cache

@@ -118,10 +118,15 @@ def test_no_compiler_means_torch_backend_for_auto_and_an_error_for_cpu(tmp_path,
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.delenv("GENPOOL_KERNEL_BACKEND", raising=False)
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setattr(cpu_decode_attention, "_fn", None)
+    launchers = (cpu_decode_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
+    for launcher in launchers:  # forget the kernels found with a compiler, before and after
+        launcher._kernel.cache_clear()
+    monkeypatch.setattr(cpu_build, "_loaded", {})
     assert get_backend("auto", "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="C compiler"):
         get_backend("cpu")
+    for launcher in launchers:
+        launcher._kernel.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
