@@ -161,7 +161,8 @@ class BatchRun:
         self.out = Output(output_path)
         self.counts = Counts(resumed=len(self.out.done))
         self.inflight: dict[str, Line] = {}
-        self.seen: set[str] = set(self.out.done)
+        self.resumed = frozenset(self.out.done)  # custom_ids an earlier run finished: skipped quietly
+        self.seen: set[str] = set()  # custom_ids read by this run: a second one is reported
         self.bar = make_progress(self.total, self.counts.resumed, progress)
 
     def run(self) -> Counts:
@@ -190,9 +191,10 @@ class BatchRun:
             if nxt is None:
                 break
             line = parse_line(nxt[1], nxt[0], self.ident, self.model, self.priority)
+            if isinstance(line, Line) and line.custom_id in self.resumed:
+                continue
             if isinstance(line, Line) and line.custom_id in self.seen:
-                if line.custom_id not in self.out.done:  # twice in this input
-                    self._skip(nxt[0], f"custom_id {line.custom_id!r} repeats an earlier line")
+                self._skip(nxt[0], f"custom_id {line.custom_id!r} repeats an earlier line")
                 continue
             if isinstance(line, str):
                 self._skip(nxt[0], line)
@@ -202,11 +204,14 @@ class BatchRun:
                 self._finish(error_line(line, line.error), ok=False)
             else:
                 batch.append(line)
-        for line, job in zip(batch, self.client.submit_many([ln.req.kwargs for ln in batch])):
-            self.inflight[job.id] = line
+        if batch:
+            for line, job in zip(batch, self.client.submit_many([ln.req.kwargs for ln in batch])):
+                self.inflight[job.id] = line
         return nxt is None
 
     def _collect(self) -> int:
+        if not self.inflight:  # nothing out (e.g. only invalid lines so far): no round trip
+            return 0
         done, lost = poll_results(self.client, list(self.inflight))
         for jid, res in done.items():
             line = self.inflight.pop(jid)

@@ -152,12 +152,27 @@ def test_output_cuts_partial_line_and_knows_done_ids(tmp_path):
     finally:
         o.close()
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a", "b", "c"]
-    with pytest.raises(SystemExit):  # a second writer is refused while the first holds it
-        o1 = Output(out)
-        try:
+    o1 = Output(out)  # opens: the first writer released its lock
+    try:
+        with pytest.raises(SystemExit):  # a second writer is refused while the first holds it
             Output(out)
-        finally:
-            o1.close()
+    finally:
+        o1.close()
+
+
+def test_a_repeated_custom_id_is_reported_even_after_the_first_finished(tmp_path):
+    """Invalid lines finish at once, so the repeat arrives after its first copy is in the output;
+    it must still be reported and counted as skipped, not dropped as if an earlier run did it."""
+    from producer.batch import BatchRun
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    line = json.dumps({"custom_id": "dup", **INVALID["bad-temp"][0]})
+    src.write_text(line + "\n" + line + "\n")
+    counts = BatchRun(object(), src, out, progress=False).run()  # no job reaches a client
+    assert (counts.errors, counts.skipped, counts.resumed) == (1, 1, 0)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["dup"]
+    again = BatchRun(object(), src, out, progress=False).run()  # resumed: both copies quiet
+    assert (again.errors, again.skipped, again.resumed) == (0, 0, 1)
 
 
 def test_parse_line_sorts_lines():
