@@ -14,13 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as a script, this folder is sys.path[0]; its modules (e.g. benchmarks/queue.py) would shadow
-# the stdlib. Import through the repo root instead.
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import argparse  # noqa: E402
 import gc  # noqa: E402

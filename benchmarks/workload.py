@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # as a script: don't let this folder's modules shadow the stdlib
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-    sys.path.insert(0, os.path.dirname(_here))
+if __name__ == "__main__":  # as a script: import the project through the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import random  # noqa: E402
 import re  # noqa: E402

@@ -8,8 +8,8 @@
   over its strided halves;
 - rms_norm: kernels/cpu_rms_norm.c for fp32 (one pass instead of 7 ops); bf16 keeps the
   reference, whose vectorised bf16 conversions beat the C kernel's scalar ones.
-`build_backend()` returns None when the C kernels cannot be built (no compiler), and the caller
-uses "torch" instead.
+`build_backend()` returns None when the C kernels cannot be built (no compiler): "auto" then uses
+"torch", an explicit "cpu" is an error.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Build-once loader for the C kernels in kernels/*.c (CPU backend).
 
 Each source is compiled with the system C compiler into $GENPOOL_HOME/kernels (default
-~/.cache/genpool/kernels), named by a hash of source, flags and machine, so a changed source or
+~/.cache/genpool/kernels), named by a hash of source, flags and CPU model + flags, so a changed source or
 another CPU gets its own library. Compilation goes to a temporary file renamed into place, so
 workers starting together never load a half-written library. No compiler -> None (the caller
 falls back to the torch reference) and one warning in the log.
@@ -44,9 +44,20 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU model and feature flags (not the host name, which
+    containers change on every start)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
 def library_path(name: str, cc: str) -> Path:
     src = (HERE / f"{name}.c").read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS, platform.machine(), platform.node()]).encode())
+    key = hashlib.sha256(src + " ".join([cc, *CFLAGS, platform.machine(), _cpu_identity()]).encode())
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
 

@@ -7,7 +7,7 @@
 2. Priority: a 500-job bulk backlog (low lane) fills the worker; then one interactive job (high
    lane) arrives. Its time to first token, in seconds and in engine steps. Target: <= 3 steps.
 
-  python benchmarks/queue.py --model smollm2-135m --num-jobs 48 --json out.json
+  python benchmarks/queue_bench.py --model smollm2-135m --num-jobs 48 --json out.json
 Redis: --redis / GENPOOL_REDIS_URL, else a private redis-server started for the run.
 """
 from __future__ import annotations
@@ -15,11 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
-# Run as a script, this file's folder leads sys.path and the file would shadow the stdlib `queue`
-# module (which redis imports): swap that entry for the repository root before anything else.
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") not in (HERE, ROOT)]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the repo root
 
 import argparse  # noqa: E402
 import json  # noqa: E402
