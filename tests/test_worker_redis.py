@@ -248,3 +248,15 @@ def test_sigterm_on_a_worker_process_drains(env, tmp_path):
     assert states.count("done") >= 4 and states.count("queued") >= 1  # in flight finished
     assert c.status()["lanes"]["normal"]["pending"] == 0  # nothing left half-done
     assert "draining" in (tmp_path / "w.log").read_text()
+
+
+def test_worker_reloads_its_read_script_after_redis_forgets_it(env):
+    """poll() calls READ_LUA by EVALSHA inside a pipeline; a Redis restart or SCRIPT FLUSH must
+    not stop the worker from pulling jobs."""
+    url, prefix, c = env
+    with worker_thread(FakeEngine(), url, prefix):
+        long = c.submit("long", max_tokens=200)  # keeps the worker stepping (non-idle poll path)
+        assert c.submit("a", max_tokens=2).result(timeout=10).ok
+        c.redis.script_flush()
+        assert c.submit("b", max_tokens=2).result(timeout=10).text == expected_for_prompt("b", 2)
+        assert long.result(timeout=30).ok

@@ -23,13 +23,12 @@ from celery.exceptions import Ignore, Reject
 from producer import Client
 from producer.config import key_prefix, redis_url
 
-from .flower_events import CELERY_MARK
+from .flower_events import CELERY_MARK, REVOKED_CODES
 
 TASK_NAME = "genpool.generate"
 ENV_QUEUE = "GENPOOL_CELERY_QUEUE"
 DEFAULT_QUEUE = "genpool"
 POLL_S = 1.0  # how often a waiting task body looks for revocation and shutdown
-REVOKED_CODES = ("cancelled", "expired")  # Celery calls both "revoked"
 
 # Set by the in-process genpool worker (workers/celery_worker.py) once it has drained: task
 # bodies still waiting then hand their message back to the broker instead of blocking shutdown.

@@ -24,6 +24,8 @@ from typing import Callable, Optional
 
 from .observe import WorkerObserver
 
+REVOKED_CODES = ("cancelled", "expired")  # error codes Celery/Flower call "revoked"
+
 log = logging.getLogger("genpool.flower")
 
 STREAM_TASK_NAME = "genpool.stream"  # Celery front-door jobs are `genpool.generate`
@@ -157,7 +159,7 @@ class FlowerEvents(WorkerObserver):
             return
         self.processed += 1
         # Celery's own meanings: revoked = cancelled on request, or not run in time (expired)
-        if ev.code in ("cancelled", "expired"):
+        if ev.code in REVOKED_CODES:
             self.send("task-revoked", uuid=job_id, terminated=ev.code == "cancelled",
                       signum=None, expired=ev.code == "expired")
         else:

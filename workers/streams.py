@@ -67,25 +67,17 @@ def s(v) -> str:
 
 
 def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:
-    """XREAD(GROUP)-shaped reply -> Entry objects (entries deleted meanwhile come back empty)."""
+    """XREAD(GROUP)-shaped reply -> Entry objects (entries deleted meanwhile come back empty).
+    READ_LUA's reply has the same shape, with fields as flat [k, v, k, v, ...] lists."""
     out = []
     for stream, items in reply or []:
         stream = s(stream)
         for entry_id, fields in items:
             if fields is None:  # deleted after delivery; nothing left to run
                 continue
+            if isinstance(fields, list):
+                fields = dict(zip(fields[0::2], fields[1::2]))
             out.append(Entry(stream, keys.lane_of_stream(stream), s(entry_id), fields, deliveries))
-    return out
-
-
-def entries_from_script(reply, keys: Keys) -> list[Entry]:
-    """READ_LUA's reply: like XREADGROUP's, but with fields as flat [k, v, k, v, ...] lists."""
-    out = []
-    for stream, items in reply or []:
-        stream = s(stream)
-        for entry_id, flat in items:
-            fields = dict(zip(flat[0::2], flat[1::2])) if flat else {}
-            out.append(Entry(stream, keys.lane_of_stream(stream), s(entry_id), fields))
     return out
 
 

@@ -26,7 +26,7 @@ from .jobstate import InFlight
 from .observe import Observers
 from .outbox import Outbox
 from .publisher import Publisher
-from .streams import (READ_LUA, ControlReader, ensure_groups, entries_from, entries_from_script,
+from .streams import (READ_LUA, ControlReader, ensure_groups, entries_from,
                       own_pending, reclaim, refresh_claims)
 from .worker_config import WorkerConfig
 
@@ -140,13 +140,24 @@ class Worker:
         held = len(self.inflight) + len(entries)
         high = 0 if self.stopping else min(free + self.cfg.high_burst,
                                            self.max_seqs + self.cfg.high_burst - held)
-        pipe = self.r.pipeline(transaction=False)
-        self.control.queue_read(pipe)
-        self._read(keys=self.keys.all_jobs(), args=[self.keys.group, self.name, max(0, high),
-                                                   max(0, free)], client=pipe)
-        control, lanes = pipe.execute()
-        entries += entries_from_script(lanes, self.keys)
+        control, lanes = self._control_and_lanes([self.keys.group, self.name, max(0, high), max(0, free)])
+        entries += entries_from(lanes, self.keys)
         return self.control.cancels(control), sorted(entries, key=lambda e: LANES.index(e.lane))
+
+    def _control_and_lanes(self, args: list) -> tuple:
+        """The control read and READ_LUA in one pipeline round trip. EVALSHA by hand: a registered
+        Script on a pipeline costs a SCRIPT EXISTS round trip on every execute()."""
+        lanes = self.keys.all_jobs()
+        for attempt in (0, 1):
+            pipe = self.r.pipeline(transaction=False)
+            self.control.queue_read(pipe)
+            pipe.evalsha(self._read.sha, len(lanes), *lanes, *args)
+            try:
+                return tuple(pipe.execute())
+            except redis.exceptions.NoScriptError:  # Redis restarted or flushed: load it, again
+                if attempt:
+                    raise
+                self.r.script_load(READ_LUA)
 
     def _blocking_read(self, free: int) -> list[Entry]:
         # One BLOCK call over all lanes; COUNT applies per stream, so split the room three ways.
@@ -154,8 +165,7 @@ class Worker:
         reply = self.r.xreadgroup(self.keys.group, self.name,
                                   {k: ">" for k in self.keys.all_jobs()}, count=per,
                                   block=self.cfg.idle_block_ms)
-        entries = entries_from(reply, self.keys)
-        return sorted(entries, key=lambda e: LANES.index(e.lane))
+        return entries_from(reply, self.keys)  # poll() orders by lane
 
     def cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
