@@ -167,5 +167,8 @@ class Client:
         from .status import queue_status
 
         if self._raw is None:  # bytes in, decoded leniently: status must never choke on junk
-            self._raw = redis.Redis(connection_pool=redis.ConnectionPool.from_url(self.url))
+            pool = self.redis.connection_pool  # the caller's connection settings (TLS, auth, ...)
+            kwargs = {**pool.connection_kwargs, "decode_responses": False}
+            self._raw = redis.Redis(connection_pool=redis.ConnectionPool(
+                connection_class=pool.connection_class, **kwargs))
         return queue_status(self._raw, self.keys)
