@@ -25,7 +25,32 @@ typedef struct {
     float scale;
     int dtype;
     int64_t max_len;
+    int64_t k_span, v_span; /* bytes from a block's first K (V) element to one past its last */
 } job_t;
+
+/* Software prefetch: the hardware prefetchers do not cross into the next block (another place in
+ * the cache), so each block was a cold start; asking for the next one while this one is worked on
+ * made the kernel ~25% faster at batch 48 (measured, 36 MB of K/V per layer). */
+typedef struct {
+    const char *p; /* NULL: nothing to fetch */
+    int64_t span;
+} pf_t;
+
+/* K (is_v = 0) or V block `blk`, or nothing for an id out of range (refused later, not read). */
+static inline pf_t block_pf(const job_t *j, int is_v, int64_t blk) {
+    if (blk < 0 || blk >= j->num_blocks) return (pf_t){0, 0};
+    const int64_t es = j->dtype == 0 ? 4 : 2;
+    if (is_v) return (pf_t){(const char *)j->v + blk * j->v_sb * es, j->v_span};
+    return (pf_t){(const char *)j->k + blk * j->k_sb * es, j->k_span};
+}
+
+/* Slice `part` of `parts`: a block is fetched in equal slices, one per head's pass over the block
+ * before, so that the requests are spread over that work instead of queueing all at once. */
+static inline void prefetch_slice(pf_t f, int64_t part, int64_t parts) {
+    if (!f.p) return;
+    const int64_t lines = (f.span + 63) / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+    for (int64_t l = lo; l < hi; l++) __builtin_prefetch(f.p + 64 * l, 0, 2);
+}
 
 /* Pointer to a K or V vector as fp32: in place for fp32, converted into tmp for bf16. */
 static inline const float *vec(const void *base, int64_t off, int dtype, int64_t d, float *tmp) {
@@ -50,27 +75,108 @@ static inline const float *block_rows(const job_t *j, const void *base, int64_t 
     return tmp;
 }
 
+/* s[t] = q . k[t * st] for t < n. */
+static inline __attribute__((always_inline)) void
+dots_scalar(const float *q, const float *k, int64_t st, int64_t n, float *s, const int64_t D) {
+    for (int64_t t = 0; t < n; t++) {
+        float a = 0.f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t i = 0; i < D; i++) a += q[i] * k[t * st + i];
+        s[t] = a;
+    }
+}
+
+/* acc[0:D] += sum over t < n of p[t] * v[t * st : +D]; the accumulator stays in registers
+ * across the tokens (a local array of constant size D). */
+static inline __attribute__((always_inline)) void
+axpys_scalar(const float *p, const float *v, int64_t st, int64_t n, float *acc, const int64_t D) {
+    float a[D];
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) a[i] = acc[i];
+    for (int64_t t = 0; t < n; t++) {
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) a[i] += p[t] * v[t * st + i];
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) acc[i] = a[i];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* axpys_scalar with explicit registers, 64 columns at a time: GCC kept the local array in memory,
+ * storing it back after every token. */
+static inline __attribute__((always_inline)) void
+axpys(const float *p, const float *v, int64_t st, int64_t n, float *acc, const int64_t D) {
+    if (D % 8) {
+        axpys_scalar(p, v, st, n, acc, D);
+        return;
+    }
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        const int64_t w = D - c0 < 64 ? D - c0 : 64;
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = 8 * c < w ? _mm256_loadu_ps(acc + c0 + 8 * c) : _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 pt = _mm256_broadcast_ss(p + t);
+            const float *vt = v + t * st + c0;
+            for (int c = 0; c < 8; c++)
+                if (8 * c < w) a[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++)
+            if (8 * c < w) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
+    }
+}
+
+/* Lane u of the result = the sum of a[u]'s lanes: eight horizontal sums sharing their shuffles. */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67); /* per 128-bit lane */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
+}
+
+/* dots_scalar, eight tokens at a time with one accumulator each. One dot product at a time was
+ * bound by its chain of dependent FMAs plus a horizontal sum per token (~4x slower, measured):
+ * eight independent chains keep both FMA ports busy and share the horizontal sums. */
+static inline __attribute__((always_inline)) void
+dots(const float *q, const float *k, int64_t st, int64_t n, float *s, const int64_t D) {
+    int64_t t = 0;
+    if (D % 8 == 0) {
+        for (; t + 8 <= n; t += 8) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + i);
+                for (int u = 0; u < 8; u++)
+                    acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t + u) * st + i), acc[u]);
+            }
+            _mm256_storeu_ps(s + t, hsum8(acc));
+        }
+    }
+    dots_scalar(q, k + t * st, st, n - t, s + t, D);
+}
+#else
+#define dots dots_scalar
+#define axpys axpys_scalar
+#endif
+
 /* Scores of every query head of one row against every cached token: s[head * len + t].
  * Inlined with D a compile-time constant for the common head sizes (see DISPATCH_D). */
 static inline __attribute__((always_inline)) int
 row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp, const int64_t D) {
+    /* After the last K block comes this row's first V block. */
     const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
     const int32_t *tab = j->tables + row * j->width;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
         if (blk < 0 || blk >= j->num_blocks) return -2;
+        const pf_t next = b + 1 < nb ? block_pf(j, 0, tab[b + 1]) : block_pf(j, 1, tab[0]);
         for (int64_t h = 0; h < j->hkv; h++) {
             int64_t st;
             const float *k = block_rows(j, j->k, blk * j->k_sb + h * j->k_sh, j->k_ss, n, D, tmp, &st);
             for (int64_t g = h * G; g < (h + 1) * G; g++) {
-                const float *qg = qf + g * D;
-                float *sg = s + g * len + b * bs;
-                for (int64_t t = 0; t < n; t++) {
-                    float a = 0.f;
-#pragma omp simd reduction(+ : a)
-                    for (int64_t i = 0; i < D; i++) a += qg[i] * k[t * st + i];
-                    sg[t] = a;
-                }
+                prefetch_slice(next, g, j->hq);
+                dots(qf + g * D, k, st, n, s + g * len + b * bs, D);
             }
         }
     }
@@ -80,26 +186,23 @@ row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s
 /* acc[head] = sum over tokens of p[head * len + t] * V[t, kv head of head]; each head's
  * accumulator stays in registers across a block (a local array of constant size D). */
 static inline __attribute__((always_inline)) void
-row_values_d(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp, const int64_t D) {
+row_values_d(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp, int64_t next_row,
+             const int64_t D) {
+    /* After the last V block comes the first K block of this thread's next row, if any. */
     const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
     const int32_t *tab = j->tables + row * j->width;
     memset(acc, 0, sizeof(float) * j->hq * D);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
+        const pf_t next = b + 1 < nb       ? block_pf(j, 1, tab[b + 1])
+                          : next_row >= 0 ? block_pf(j, 0, j->tables[next_row * j->width])
+                                          : (pf_t){0, 0};
         for (int64_t h = 0; h < j->hkv; h++) {
             int64_t st;
             const float *v = block_rows(j, j->v, blk * j->v_sb + h * j->v_sh, j->v_ss, n, D, tmp, &st);
             for (int64_t g = h * G; g < (h + 1) * G; g++) {
-                const float *pg = p + g * len + b * bs;
-                float a[D];
-#pragma omp simd
-                for (int64_t i = 0; i < D; i++) a[i] = acc[g * D + i];
-                for (int64_t t = 0; t < n; t++) {
-#pragma omp simd
-                    for (int64_t i = 0; i < D; i++) a[i] += pg[t] * v[t * st + i];
-                }
-#pragma omp simd
-                for (int64_t i = 0; i < D; i++) acc[g * D + i] = a[i];
+                prefetch_slice(next, g, j->hq);
+                axpys(p + g * len + b * bs, v, st, n, acc + g * D, D);
             }
         }
     }
@@ -113,12 +216,13 @@ static int row_scores(const job_t *j, int64_t row, int64_t len, const float *qf,
     return DISPATCH_D(row_scores_d, j, row, len, qf, s, tmp);
 }
 
-static void row_values(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp) {
-    DISPATCH_D(row_values_d, j, row, len, p, acc, tmp);
+static void row_values(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp,
+                       int64_t next_row) {
+    DISPATCH_D(row_values_d, j, row, len, p, acc, tmp, next_row);
 }
 
 /* One sequence row, all heads: K and V of each block are read once, front to back. */
-static int attend(const job_t *j, int64_t row, float *qf, float *acc, float *s, float *tmp) {
+static int attend(const job_t *j, int64_t row, int64_t next_row, float *qf, float *acc, float *s, float *tmp) {
     const int64_t D = j->d, len = j->lens[row];
     if (len < 1 || len > j->width * j->bs) return -3;
     for (int64_t g = 0; g < j->hq; g++) {
@@ -139,7 +243,7 @@ static int attend(const job_t *j, int64_t row, float *qf, float *acc, float *s, 
         for (int64_t t = 0; t < len; t++) z += sg[t];
         sum[g] = z;
     }
-    row_values(j, row, len, s, acc, tmp);
+    row_values(j, row, len, s, acc, tmp, next_row);
     for (int64_t g = 0; g < j->hq; g++) {
         const float inv = 1.f / sum[g];
         const int64_t off = (row * j->hq + g) * D;
@@ -160,7 +264,7 @@ static int rows(const void *arg, int64_t lo, int64_t hi) {
     if (!buf) return -1;
     int status = 0;
     for (int64_t row = lo; row < hi && status == 0; row++)
-        status = attend(j, row, buf, buf + HD, buf + 2 * HD + j->bs * j->d, buf + 2 * HD);
+        status = attend(j, row, row + 1 < hi ? row + 1 : -1, buf, buf + HD, buf + 2 * HD + j->bs * j->d, buf + 2 * HD);
     free(buf);
     return status;
 }
@@ -172,7 +276,10 @@ int paged_decode_attention(const void *q, const void *k, const void *v, void *ou
                            float scale, int dtype, int nthreads) {
     job_t j = {q, k, v, out, tables, lens, hq, hkv, d, bs, width, num_blocks,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
-               scale, dtype, 1};
+               scale, dtype, 1, 0, 0};
+    const int64_t esize = dtype == 0 ? 4 : 2;
+    j.k_span = ((bs - 1) * j.k_ss + (hkv - 1) * j.k_sh + d) * esize;
+    j.v_span = ((bs - 1) * j.v_ss + (hkv - 1) * j.v_sh + d) * esize;
     int64_t total = 0;
     for (int64_t r = 0; r < nrows; r++) {
         total += lens[r];
