@@ -28,6 +28,7 @@ class ModelRunner:
         self.model = load_model(model_path, self.dtype, self.device)
         self.args = self.model.args
         self.kern = get_backend(config.kernel_backend, config.device)
+        self.model.pack_linears(self.kern)
         self.rope = rope_cache(self.args, max_model_len).to(self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
@@ -100,4 +101,4 @@ class ModelRunner:
         if not logit_rows:
             return torch.empty(0, self.args.vocab_size)
         rows = torch.tensor(logit_rows, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        return self.model.compute_logits(hidden.index_select(0, rows), self.kern).cpu()

@@ -1,4 +1,4 @@
-"""Attention, KV-write, RMSNorm, rotary and SwiGLU kernels: a torch reference, C kernels for the CPU
+"""Attention, KV-write, RMSNorm, rotary, SwiGLU and linear (GEMM) kernels: a torch reference, C kernels for the CPU
 and Triton kernels for CUDA.
 
 `get_backend(name)` picks the implementation: "torch" (the reference), "cpu" (the reference plus
@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-KERNEL_NAMES = ("write_kv", "paged_attention", "rms_norm", "rotary", "silu_and_mul")
+KERNEL_NAMES = ("write_kv", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "pack_linear", "linear")
 
 
 def _torch_backend() -> SimpleNamespace:
     from kernels import ref
-    return SimpleNamespace(name="torch", **{n: getattr(ref, n) for n in KERNEL_NAMES})
+    return SimpleNamespace(name="torch", linear_keeps_weight=True, **{n: getattr(ref, n) for n in KERNEL_NAMES})
 
 
 def _triton_backend() -> SimpleNamespace:

@@ -24,11 +24,13 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 # -march=native: the library is built on the machine that runs it (the hash includes the host).
-# -fopenmp-simd: honour `#pragma omp simd` reductions without -ffast-math's other licences.
+# -fopenmp: threads from the OpenMP pool torch already runs (cpu_common.h run_ranges), and
+# `#pragma omp simd` reductions without -ffast-math's other licences. Where the compiler has no
+# OpenMP library (clang without libomp), the build retries with -fopenmp-simd: one thread.
 # -fno-strict-aliasing: the bf16 kernels widen bf16 to fp32 by writing the bits of a float buffer.
 # -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off; the kernels that must round
 # like torch turn them off per function); -fno-math-errno: floorf etc. inline and vectorise.
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-strict-aliasing", "-ffp-contract=fast",
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=fast",
           "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 # The `dtype` argument of every C kernel: which element type its tensors hold.
@@ -66,8 +68,12 @@ def _compile(name: str, cc: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *CFLAGS, "-I", str(HERE), "-o", tmp, str(HERE / f"{name}.c"), "-lm", "-lpthread"]
+        cmd = [cc, *CFLAGS, "-I", str(HERE), "-o", tmp, str(HERE / f"{name}.c"), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            log.warning("building %s with OpenMP failed; building it single-threaded", name)
+            cmd = [("-fopenmp-simd" if f == "-fopenmp" else f) for f in cmd]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
         os.replace(tmp, out)

@@ -1,12 +1,9 @@
 /* Helpers shared by the CPU kernels: bf16 <-> fp32 as torch rounds, a vectorisable exp, and
- * running a kernel's rows on several threads.
- *
- * Threads are created per call (~20-40 us each): parallel_rows uses more than one only for >= 256K
- * elements of work, where that is noise. */
+ * running a kernel's rows on several threads (parallel_rows uses more than one only for >= 256K
+ * elements of work: below that, waking a thread costs more than it saves). */
 #ifndef GENPOOL_CPU_COMMON_H
 #define GENPOOL_CPU_COMMON_H
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 
 enum { MAX_THREADS = 64 };
@@ -14,37 +11,19 @@ enum { MAX_THREADS = 64 };
 /* Work on rows [lo, hi): returns 0, or a negative error code of the kernel's own. */
 typedef int (*range_fn)(const void *args, int64_t lo, int64_t hi);
 
-typedef struct {
-    range_fn fn;
-    const void *args;
-    int64_t lo, hi;
-    int status;
-} range_job;
-
-static void *range_run(void *p) {
-    range_job *j = (range_job *)p;
-    j->status = j->fn(j->args, j->lo, j->hi);
-    return 0;
-}
-
-/* fn over [bounds[i], bounds[i + 1]) for i < n (n <= MAX_THREADS), one thread each, the caller's
- * thread taking the first; a range whose thread cannot start runs here. First error wins. */
+/* fn over [bounds[i], bounds[i + 1]) for i < n (n <= MAX_THREADS). First error wins.
+ *
+ * The threads are OpenMP's: the libraries link libgomp.so.1, which resolves to the copy torch has
+ * already loaded, so our kernels and torch's ops share one pool of resident threads. Creating
+ * threads per call instead cost ~100 us each on a 2-core VM, more than a decode-sized GEMM, and
+ * a second pool would fight torch's for the same cores. Built without OpenMP: one thread. */
 static int run_ranges(range_fn fn, const void *args, const int64_t *bounds, int n) {
-    range_job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int i = 0; i < n; i++) {
-        jobs[i] = (range_job){fn, args, bounds[i], bounds[i + 1], 0};
-        if (i > 0) started[i] = pthread_create(&tids[i], 0, range_run, &jobs[i]) == 0;
-    }
-    range_run(&jobs[0]);
-    int status = jobs[0].status;
-    for (int i = 1; i < n; i++) {
-        if (started[i]) pthread_join(tids[i], 0);
-        else range_run(&jobs[i]);
-        if (!status) status = jobs[i].status;
-    }
-    return status;
+    int status[MAX_THREADS] = {0};
+#pragma omp parallel for num_threads(n) schedule(static, 1) if (n > 1)
+    for (int i = 0; i < n; i++) status[i] = fn(args, bounds[i], bounds[i + 1]);
+    for (int i = 0; i < n; i++)
+        if (status[i]) return status[i];
+    return 0;
 }
 
 /* Clamp a thread count to [1, min(MAX_THREADS, items)]. */

@@ -125,6 +125,17 @@ def mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     return out
 
 
+def pack_linear(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
+    """The reference keeps the loaded layout: W [in, out] (contiguous) and the bias."""
+    return weight_t, bias
+
+
+def linear(x: torch.Tensor, w: tuple) -> torch.Tensor:
+    """x [T, in] @ W [in, out] (+ bias) -> [T, out]; w from pack_linear."""
+    weight_t, bias = w
+    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused (residual add +) RMSNorm, computed in fp32 like HF Llama, cast back before the weight."""

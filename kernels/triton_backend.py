@@ -12,7 +12,9 @@ def build_backend() -> SimpleNamespace:
     from kernels.triton_paged_attention import paged_attention
     from kernels.triton_rms_norm import rms_norm
     from kernels.triton_rotary import rotary
+    from kernels.ref import linear, pack_linear  # cuBLAS
     from kernels.ref import silu_and_mul  # element-wise: torch's own CUDA kernels do it
 
     return SimpleNamespace(name="triton", write_kv=write_kv, paged_attention=paged_attention,
-                           rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul)
+                           rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
+                           pack_linear=pack_linear, linear=linear, linear_keeps_weight=True)

@@ -10,7 +10,7 @@ output within a few fp32 ulp (another summation order for the mean square); SwiG
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_decode_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul, get_backend, ref
+from kernels import cpu_build, cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul, get_backend, ref
 
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")
 
@@ -118,7 +118,7 @@ def test_no_compiler_means_torch_backend_for_auto_and_an_error_for_cpu(tmp_path,
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.delenv("GENPOOL_KERNEL_BACKEND", raising=False)
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    launchers = (cpu_decode_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
+    launchers = (cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
     for launcher in launchers:  # forget the kernels found with a compiler, before and after
         launcher._kernel.cache_clear()
     monkeypatch.setattr(cpu_build, "_loaded", {})

@@ -81,14 +81,16 @@ def _llama3_scale(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """y = x @ weight_t (+ bias), the weight kept transposed: [in, out] contiguous. On this CPU,
-    GEMMs at decode batch sizes (1-48 rows) ran 20-30% faster from that layout than through
-    F.linear's [out, in] (weights streamed from DRAM, 30 layers); prefill-sized ones are on par."""
+    """y = x @ W (+ bias). Loaded as weight_t [in, out] (decode-sized products ran 20-30% faster from
+    that layout than from F.linear's [out, in] under MKL); `pack(kern)` then hands the weight to the
+    kernel backend, which may keep its own layout (the CPU backend: 16-column panels for
+    kernels/cpu_gemm.c, after which the loaded copy is dropped)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+        self.packed = None  # kern.pack_linear's result once packed
         self._register_load_state_dict_pre_hook(self._transpose)
 
     def _transpose(self, state, prefix, *args):
@@ -97,11 +99,16 @@ class Linear(nn.Module):
         if w is not None:
             state[f"{prefix}weight_t"] = w.t().contiguous()
 
-    def forward(self, x):
+    def pack(self, kern) -> None:
+        self.packed = kern.pack_linear(self.weight_t, self.bias)
+        if not kern.linear_keeps_weight:
+            self.weight_t = None  # the packed copy is the weight now: do not hold it twice
+
+    def forward(self, x, kern):
         # x [T, in] -> [T, out]
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+        if self.packed is None:
+            raise RuntimeError("Linear.pack(kern) must run before forward")
+        return kern.linear(x, self.packed)
 
 
 class Attention(nn.Module):
@@ -121,14 +128,14 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv, meta, kern):
         # x: [T, H] -> qkv: [T, (nh + 2 nkv) * hd]
-        q, k, v = self.qkv(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k, v = self.qkv(x, kern).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q, k = kern.rotary(q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), positions, meta.rope)
         v = v.view(-1, self.nkv, self.hd)
         k_cache, v_cache = kv
         kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = kern.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  meta.seq_lens, self.scale)  # [T, nh, hd]
-        return self.o_proj(o.reshape(-1, self.nh * self.hd))
+        return self.o_proj(o.reshape(-1, self.nh * self.hd), kern)
 
 
 class MLP(nn.Module):
@@ -145,7 +152,7 @@ class MLP(nn.Module):
 
     def forward(self, x, kern):
         # x [T, H] -> gate_up [T, 2I] -> silu(gate) * up [T, I] -> [T, H]
-        return self.down_proj(kern.silu_and_mul(self.gate_up(x)))
+        return self.down_proj(kern.silu_and_mul(self.gate_up(x, kern)), kern)
 
 
 class RMSNorm(nn.Module):
@@ -197,6 +204,12 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual, kern)
         return x
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, kern):
         # hidden [N, H] -> logits [N, V] in fp32 for the sampler
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, kern).float()
+
+    def pack_linears(self, kern) -> None:
+        """Give every linear layer's weight to the kernel backend's layout (once, after loading)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack(kern)

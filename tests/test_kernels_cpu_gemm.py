@@ -1,0 +1,123 @@
+"""kernels/cpu_gemm.c (fp32 x @ W over a packed weight) and the model's use of it.
+
+Accuracy is judged against a float64 product: the kernel's error must be of the order of the
+reference's (x @ weight_t through torch/MKL), not merely "close to MKL". Each output element is
+one FMA chain over k, so a row's result must not depend on the batch or the thread count: those
+checks are bit-exact.
+"""
+import stat
+
+import pytest
+import torch
+
+from engine.models.llama import Linear
+from kernels import cpu_build, cpu_gemm, get_backend, ref
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler here")
+
+
+def case(m, k, n, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(k, n, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+def exact(x, w, b):
+    y = x.double() @ w.double()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("m,k,n,bias", [
+    (1, 576, 576, False),   # a decode GEMV
+    (5, 7, 17, True),       # fewer rows than a tile, a partial panel, odd K
+    (6, 64, 16, False),     # exactly one tile and one panel
+    (13, 48, 40, True),     # two tiles and a remainder row, 2.5 panels
+    (100, 1536, 20, False), # more rows than one L2 block (MC = 42 for K = 1536)
+    (48, 576, 960, True),   # a decode-sized qkv with bias (Qwen2-style)
+])
+def test_gemm_is_as_accurate_as_the_reference(m, k, n, bias):
+    x, w, b = case(m, k, n, bias)
+    got = cpu_gemm.gemm(x, cpu_gemm.PackedWeight(w, b))
+    want = ref.linear(x, ref.pack_linear(w, b))
+    truth = exact(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    err, ref_err = (got.double() - truth).abs().max().item(), (want.double() - truth).abs().max().item()
+    assert err <= 4 * ref_err + 1e-6 * k ** 0.5, (err, ref_err)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
+    x, w, _ = case(23, 200, 70, False, seed=1)
+    pw = cpu_gemm.PackedWeight(w)
+    full = cpu_gemm.gemm(x, pw)
+    for lo, hi in [(0, 1), (3, 4), (5, 12), (17, 23), (1, 23)]:  # rows at other tile positions
+        assert torch.equal(cpu_gemm.gemm(x[lo:hi], pw), full[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_gemm.gemm(x, pw), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_and_empty_batches():
+    wide = torch.randn(9, 100)
+    x = wide[:, 10:74]  # rows 100 apart, 64 wide
+    w = torch.randn(64, 30)
+    pw = cpu_gemm.PackedWeight(w)
+    assert torch.equal(cpu_gemm.gemm(x, pw), cpu_gemm.gemm(x.contiguous(), pw))
+    assert cpu_gemm.gemm(torch.empty(0, 64), pw).shape == (0, 30)
+
+
+def test_launcher_checks_its_inputs():
+    pw = cpu_gemm.PackedWeight(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gemm.gemm(torch.randn(2, 8, dtype=torch.bfloat16), pw)
+    with pytest.raises(ValueError, match=r"\[M, 8\]"):
+        cpu_gemm.gemm(torch.randn(2, 9), pw)
+    with pytest.raises(ValueError, match="pack"):
+        cpu_gemm.PackedWeight(torch.randn(8, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        cpu_gemm.PackedWeight(torch.randn(8, 4), torch.randn(5))
+
+
+def test_linear_layers_pack_for_their_backend():
+    lin = Linear(32, 24, bias=True)
+    torch.nn.init.normal_(lin.weight_t)
+    torch.nn.init.normal_(lin.bias)
+    x = torch.randn(3, 32)
+    with pytest.raises(RuntimeError, match="pack"):
+        lin(x, get_backend("torch"))
+    want = x @ lin.weight_t.detach() + lin.bias.detach()
+    lin.pack(get_backend("torch"))
+    assert lin.weight_t is not None  # the reference computes from the loaded weight
+    torch.testing.assert_close(lin(x, get_backend("torch")), want)
+    cpu = get_backend("cpu")
+    lin.pack(cpu)
+    assert lin.weight_t is None and isinstance(lin.packed, cpu_gemm.PackedWeight)  # held once
+    torch.testing.assert_close(lin(x, cpu), want)
+    bf = Linear(32, 24).to(torch.bfloat16)
+    torch.nn.init.normal_(bf.weight_t)
+    w = bf.weight_t.detach().clone()
+    bf.pack(cpu)  # bf16 stays on torch's GEMM
+    assert torch.equal(bf(x.bfloat16(), cpu), x.bfloat16() @ w)
+
+
+def test_build_falls_back_to_one_thread_without_openmp(tmp_path, monkeypatch):
+    real = cpu_build._compiler()
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("GENPOOL_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    lib = cpu_build.load("cpu_gemm")
+    assert lib is not None and len(list((tmp_path / "kernels").glob("cpu_gemm-*.so"))) == 1
+    x, w, _ = case(30, 64, 40, False)
+    fn = lib.gemm_packed
+    fn.argtypes = cpu_gemm._kernel().argtypes
+    pw = cpu_gemm.PackedWeight(w)
+    y = torch.empty(30, 40)
+    assert fn(x.data_ptr(), pw.panels.data_ptr(), 0, y.data_ptr(), 30, 64, 40, 64, 40, 2) == 0
+    assert torch.equal(y, cpu_gemm.gemm(x, pw))
