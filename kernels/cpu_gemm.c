@@ -14,9 +14,6 @@
 #include <string.h>
 
 enum { NR = 16, MR = 6 };
-#ifndef PREFETCH
-#define PREFETCH 0
-#endif
 
 typedef struct {
     const float *x, *wp, *bias;
