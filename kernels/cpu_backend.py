@@ -1,8 +1,9 @@
 """The CPU kernel backend: the torch reference with its hot spots replaced by C kernels.
 
 - paged attention: decode rows go to kernels/cpu_decode_attention.c, which reads K/V in place
-  from the paged cache instead of gathering padded copies; prefill chunks keep the reference's
-  fused SDPA (compute-bound, where torch's flash kernel is hard to beat);
+  from the paged cache instead of gathering padded copies; fp32 prefill chunks go to
+  kernels/cpu_prefill_attention.c (also in place, on the GEMM's register tile; torch's flash SDPA
+  ran prompt-sized sequences at 25-55 GFLOP/s here), other dtypes keep the reference's SDPA;
 - rotary: kernels/cpu_rotary.c, one pass instead of ~14 torch ops (bit-identical);
 - silu_and_mul: kernels/cpu_silu_mul.c, one pass over the fused gate_up output instead of two
   over its strided halves;
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul, ref
+from kernels import cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul, ref
 
 
 def _rms_norm(x, weight, eps, residual=None):
@@ -43,10 +44,11 @@ def _linear(x, w):
 
 
 def build_backend() -> SimpleNamespace | None:
-    kernels = (cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
+    kernels = (cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
     if not all(k.available() for k in kernels):
         return None
-    attention = partial(ref.mixed_attention, decode_rows=cpu_decode_attention.decode_attention)
+    attention = partial(ref.mixed_attention, decode_rows=cpu_decode_attention.decode_attention,
+                        prefill=cpu_prefill_attention.prefill_rows)
     return SimpleNamespace(name="cpu", write_kv=ref.write_kv, paged_attention=attention,
                            rms_norm=_rms_norm, rotary=cpu_rotary.rotary, silu_and_mul=cpu_silu_mul.silu_and_mul,
                            pack_linear=_pack_linear, linear=_linear, linear_keeps_weight=False)

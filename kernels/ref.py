@@ -102,9 +102,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, _decode_rows)
 
 
-def mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, decode_rows):
+def prefill_rows(q, k_cache, v_cache, tables, q_starts, q_lens, kv_lens, scale, out) -> None:
+    """Prefill chunks one sequence at a time through SDPA: sequence i's rows q[q_starts[i] : +
+    q_lens[i]] are the last q_lens[i] of its kv_lens[i] positions; writes those rows of out."""
+    for i, (a, n, kv) in enumerate(zip(q_starts, q_lens, kv_lens)):
+        out[a:a + n] = _prefill_seq(q[a:a + n], k_cache, v_cache, tables[i], kv, scale)
+
+
+def mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, decode_rows,
+                    prefill=prefill_rows):
     """paged_attention with the decode rows (one query token each) handed to `decode_rows(q, k_cache,
-    v_cache, tables, lens, scale)`; prefill chunks go one sequence at a time through SDPA."""
+    v_cache, tables, lens, scale)` and the prefill chunks to `prefill` (signature of prefill_rows)."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
@@ -115,13 +123,13 @@ def mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
         sel = torch.tensor(decode, device=q.device)
         res = decode_rows(q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, sel),
-                           seq_lens.index_select(0, sel), scale)
+                          seq_lens.index_select(0, sel), scale)
         out.index_copy_(0, rows, res)
+    pre = [i for i, n in enumerate(q_lens) if n > 1]
     lens = seq_lens.tolist()
-    for i, n in enumerate(q_lens):
-        if n > 1:
-            a = starts[i]
-            out[a:a + n] = _prefill_seq(q[a:a + n], k_cache, v_cache, block_tables[i], lens[i], scale)
+    tables = block_tables.index_select(0, torch.tensor(pre, device=q.device))
+    prefill(q, k_cache, v_cache, tables, [starts[i] for i in pre], [q_lens[i] for i in pre],
+            [lens[i] for i in pre], scale, out)
     return out
 
 
