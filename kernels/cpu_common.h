@@ -35,7 +35,7 @@ static inline int thread_count(int nthreads, int64_t items) {
 
 /* Equal contiguous shares of [0, rows). */
 static int parallel_rows(range_fn fn, const void *args, int64_t rows, int64_t work_per_row, int nthreads) {
-    int n = rows * work_per_row < (1 << 18) ? 1 : thread_count(nthreads, rows);
+    int n = rows * work_per_row < (1 << 15) ? 1 : thread_count(nthreads, rows);
     int64_t bounds[MAX_THREADS + 1];
     for (int i = 0; i <= n; i++) bounds[i] = rows * i / n;
     return run_ranges(fn, args, bounds, n);

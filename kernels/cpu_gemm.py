@@ -57,6 +57,8 @@ def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     y = torch.empty(m, w.n, dtype=torch.float32)
     if m:
         bias = 0 if w.bias is None else w.bias.data_ptr()
-        fn(x.data_ptr(), w.panels.data_ptr(), bias, y.data_ptr(), m, w.k, w.n, x.stride(0), w.n,
-           torch.get_num_threads())
+        rc = fn(x.data_ptr(), w.panels.data_ptr(), bias, y.data_ptr(), m, w.k, w.n, x.stride(0), w.n,
+                torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("CPU GEMM: out of memory for its row buffer")
     return y
