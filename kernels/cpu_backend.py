@@ -9,7 +9,8 @@
   over its strided halves;
 - linear: kernels/cpu_gemm.c for fp32, with each weight packed once into 16-column panels (MKL
   ran decode-sized products at a fraction of the CPU's speed and repacked the weight per call);
-  bf16 keeps the reference (torch's bf16 GEMMs);
+  bf16 keeps the reference (torch's bf16 GEMMs); see use_tile_kernels() for AVX-512 CPUs;
+- write_kv: kernels/cpu_write_kv.c, a memcpy per row instead of two index_copy_ calls;
 - rms_norm: kernels/cpu_rms_norm.c for fp32 (one pass instead of 7 ops); bf16 keeps the
   reference, whose vectorised bf16 conversions beat the C kernel's scalar ones.
 `build_backend()` returns None when the C kernels cannot be built (no compiler): "auto" then uses
@@ -17,12 +18,14 @@
 """
 from __future__ import annotations
 
+import os
 from functools import partial
 from types import SimpleNamespace
 
 import torch
 
-from kernels import cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul, ref
+from kernels import (cpu_build, cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary,
+                     cpu_silu_mul, cpu_write_kv, ref)
 
 
 def _rms_norm(x, weight, eps, residual=None):
@@ -31,8 +34,21 @@ def _rms_norm(x, weight, eps, residual=None):
     return ref.rms_norm(x, weight, eps, residual)
 
 
+def use_tile_kernels() -> bool:
+    """Whether fp32 linear layers and prefill attention take our AVX2 register-tile kernels.
+
+    GENPOOL_CPU_GEMM=1 / 0 forces the choice; by default yes, except on AVX-512 CPUs: there torch's
+    MKL GEMM and flash SDPA run 512-bit code (~300 GFLOP/s fp32 GEMMs measured on such a machine)
+    that a 256-bit tile cannot match at prefill sizes, and ours were never timed on one."""
+    forced = os.environ.get("GENPOOL_CPU_GEMM", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not cpu_build.cpu_has("avx512f")
+
+
 def _pack_linear(weight_t, bias=None):
-    if weight_t.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
+    if (weight_t.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+            and use_tile_kernels()):
         return cpu_gemm.PackedWeight(weight_t, bias)
     return ref.pack_linear(weight_t, bias)
 
@@ -44,11 +60,12 @@ def _linear(x, w):
 
 
 def build_backend() -> SimpleNamespace | None:
-    kernels = (cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
+    kernels = (cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul,
+               cpu_write_kv)
     if not all(k.available() for k in kernels):
         return None
-    attention = partial(ref.mixed_attention, decode_rows=cpu_decode_attention.decode_attention,
-                        prefill=cpu_prefill_attention.prefill_rows)
-    return SimpleNamespace(name="cpu", write_kv=ref.write_kv, paged_attention=attention,
+    prefill = cpu_prefill_attention.prefill_rows if use_tile_kernels() else ref.prefill_rows
+    attention = partial(ref.mixed_attention, decode_rows=cpu_decode_attention.decode_attention, prefill=prefill)
+    return SimpleNamespace(name="cpu", write_kv=cpu_write_kv.write_kv, paged_attention=attention,
                            rms_norm=_rms_norm, rotary=cpu_rotary.rotary, silu_and_mul=cpu_silu_mul.silu_and_mul,
                            pack_linear=_pack_linear, linear=_linear, linear_keeps_weight=False)

@@ -57,6 +57,11 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU feature flag (False where it cannot be read)."""
+    return any(flag in line.split() for line in _cpu_identity().splitlines() if line.startswith("flags"))
+
+
 def library_path(name: str, cc: str) -> Path:
     src = (HERE / f"{name}.c").read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     key = hashlib.sha256(src + " ".join([cc, *CFLAGS, platform.machine(), _cpu_identity()]).encode())

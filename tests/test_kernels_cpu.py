@@ -10,7 +10,8 @@ output within a few fp32 ulp (another summation order for the mean square); SwiG
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul, get_backend, ref
+from kernels import (cpu_build, cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul, cpu_write_kv,
+                     get_backend, ref)
 
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")
 
@@ -118,7 +119,7 @@ def test_no_compiler_means_torch_backend_for_auto_and_an_error_for_cpu(tmp_path,
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.delenv("GENPOOL_KERNEL_BACKEND", raising=False)
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    launchers = (cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul)
+    launchers = (cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul, cpu_write_kv)
     for launcher in launchers:  # forget the kernels found with a compiler, before and after
         launcher._kernel.cache_clear()
     monkeypatch.setattr(cpu_build, "_loaded", {})
@@ -188,3 +189,28 @@ def test_silu_and_mul_checks_its_input():
         cpu_silu_mul.silu_and_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match=r"\[T, 2I\]"):
         cpu_silu_mul.silu_and_mul(torch.randn(4, 8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_matches_the_reference_with_strided_rows_and_skipped_slots(dtype):
+    qkv = torch.randn(7, (9 + 2 * 3) * 64).to(dtype)
+    k = torch.randn(7, 3, 64).to(dtype)
+    v = qkv[:, 12 * 64:].view(7, 3, 64)  # a view into the fused projection, rows 960 apart
+    slots = torch.tensor([5, -1, 16, 17, 63, 0, -1])
+    got = [torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(2)]
+    want = [c.clone() for c in got]
+    cpu_write_kv.write_kv(k, v, *got, slots)
+    ref.write_kv(k, v, *want, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].view(-1, 3, 64)[63].equal(k[4]) and not got[0].view(-1, 3, 64)[1].any()
+
+
+def test_write_kv_refuses_slots_outside_the_cache_and_falls_back_for_casts():
+    k = v = torch.randn(2, 3, 64)
+    cache = [torch.zeros(4, 16, 3, 64) for _ in range(2)]
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu_write_kv.write_kv(k, v, *cache, torch.tensor([3, 64]))
+    assert not cache[0].any()  # checked before anything is written
+    bf = [torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    cpu_write_kv.write_kv(k, v, *bf, torch.tensor([3, 9]))  # fp32 rows into a bf16 cache: the reference casts
+    assert torch.equal(bf[0].view(-1, 3, 64)[9], k[1].bfloat16())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.models.llama import Linear
-from kernels import cpu_build, cpu_gemm, get_backend, ref
+from kernels import cpu_backend, cpu_build, cpu_gemm, get_backend, ref
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler here")
 
@@ -82,7 +82,8 @@ def test_launcher_checks_its_inputs():
         cpu_gemm.PackedWeight(torch.randn(8, 4), torch.randn(5))
 
 
-def test_linear_layers_pack_for_their_backend():
+def test_linear_layers_pack_for_their_backend(monkeypatch):
+    monkeypatch.setenv("GENPOOL_CPU_GEMM", "1")
     lin = Linear(32, 24, bias=True)
     torch.nn.init.normal_(lin.weight_t)
     torch.nn.init.normal_(lin.bias)
@@ -121,3 +122,26 @@ def test_build_falls_back_to_one_thread_without_openmp(tmp_path, monkeypatch):
     y = torch.empty(30, 40)
     assert fn(x.data_ptr(), pw.panels.data_ptr(), 0, y.data_ptr(), 30, 64, 40, 64, 40, 2) == 0
     assert torch.equal(y, cpu_gemm.gemm(x, pw))
+
+
+def test_tile_kernels_are_the_default_except_on_avx512(monkeypatch):
+    monkeypatch.delenv("GENPOOL_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_build, "cpu_has", lambda flag: flag == "avx512f")
+    assert not cpu_backend.use_tile_kernels()
+    lin = Linear(8, 4)
+    lin.pack(get_backend("cpu"))
+    assert isinstance(lin.packed, tuple)  # torch's GEMM, the weight as loaded
+    assert get_backend("cpu").paged_attention.keywords["prefill"] is ref.prefill_rows
+    monkeypatch.setenv("GENPOOL_CPU_GEMM", "1")
+    assert cpu_backend.use_tile_kernels()
+    monkeypatch.setenv("GENPOOL_CPU_GEMM", "0")
+    monkeypatch.setattr(cpu_build, "cpu_has", lambda flag: False)
+    assert not cpu_backend.use_tile_kernels()
+    monkeypatch.delenv("GENPOOL_CPU_GEMM")
+    assert cpu_backend.use_tile_kernels()
+
+
+def test_cpu_flags_are_read_from_cpuinfo():
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+    assert cpu_build.cpu_has(flags[0]) and not cpu_build.cpu_has("no_such_flag")
