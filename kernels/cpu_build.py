@@ -62,29 +62,46 @@ def cpu_has(flag: str) -> bool:
     return any(flag in line.split() for line in _cpu_identity().splitlines() if line.startswith("flags"))
 
 
-def library_path(name: str, cc: str) -> Path:
+SERIAL_CFLAGS = [("-fopenmp-simd" if f == "-fopenmp" else f) for f in CFLAGS]
+
+
+def library_path(name: str, cc: str, flags: list[str] = CFLAGS) -> Path:
     src = (HERE / f"{name}.c").read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS, platform.machine(), _cpu_identity()]).encode())
+    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_identity()]).encode())
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
 
-def _compile(name: str, cc: str, out: Path) -> None:
+def _compile(name: str, cc: str, out: Path, flags: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *CFLAGS, "-I", str(HERE), "-o", tmp, str(HERE / f"{name}.c"), "-lm"]
+        cmd = [cc, *flags, "-I", str(HERE), "-o", tmp, str(HERE / f"{name}.c"), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            log.warning("building %s with OpenMP failed; building it single-threaded", name)
-            cmd = [("-fopenmp-simd" if f == "-fopenmp" else f) for f in cmd]
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _build(name: str, cc: str) -> Path:
+    """The library's path, built first if needed: with OpenMP, else (a compiler without it)
+    single-threaded under its own name, so that a later start tries OpenMP again."""
+    path = library_path(name, cc)
+    if path.exists():
+        return path
+    try:
+        _compile(name, cc, path, CFLAGS)
+        return path
+    except RuntimeError as e:
+        log.warning("building %s with OpenMP failed, building it single-threaded: %s", name,
+                    str(e).splitlines()[-1][:200])
+    serial = library_path(name, cc, SERIAL_CFLAGS)
+    if not serial.exists():
+        _compile(name, cc, serial, SERIAL_CFLAGS)
+    return serial
 
 
 def function(name: str, symbol: str, argtypes: list, restype=None):
@@ -106,11 +123,8 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: CPU kernel %s unavailable, using the torch reference", name)
     else:
-        path = library_path(name, cc)
         try:
-            if not path.exists():
-                _compile(name, cc, path)
-            lib = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(_build(name, cc)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("CPU kernel %s unavailable (%s); using the torch reference", name, e)
     _loaded[name] = lib

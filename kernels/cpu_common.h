@@ -1,5 +1,5 @@
 /* Helpers shared by the CPU kernels: bf16 <-> fp32 as torch rounds, a vectorisable exp, and
- * running a kernel's rows on several threads (parallel_rows uses more than one only for >= 256K
+ * running a kernel's rows on several threads (parallel_rows uses more than one only for >= 32K
  * elements of work: below that, waking a thread costs more than it saves). */
 #ifndef GENPOOL_CPU_COMMON_H
 #define GENPOOL_CPU_COMMON_H

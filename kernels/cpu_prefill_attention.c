@@ -26,7 +26,7 @@ typedef struct {
     float *out;
     const int32_t *tables, *q_start, *q_len, *kv_len;
     const int64_t *item_start; /* first item of each sequence, nseq + 1 entries */
-    int64_t width, nseq, hq, hkv, d, bs, num_blocks;
+    int64_t width, nseq, hq, hkv, d, bs, num_blocks, max_kv;
     int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh;
     float scale;
 } job_t;
@@ -120,7 +120,7 @@ static int item(const job_t *j, int64_t sq, int64_t h, int64_t q0, scratch_t *w)
 static int items(const void *arg, int64_t lo, int64_t hi) {
     const job_t *j = (const job_t *)arg;
     const int64_t R = QB * (j->hq / j->hkv), D = j->d;
-    const int64_t panels = j->width * ((j->bs + KB - 1) / KB);
+    const int64_t panels = (j->max_kv + j->bs - 1) / j->bs * ((j->bs + KB - 1) / KB); /* of the longest */
     float *buf = malloc(sizeof(float) * (2 * R * D + R * KB + 2 * R + panels * D * KB));
     if (!buf) return -1;
     scratch_t w = {buf, buf + R * D, buf + 2 * R * D, buf + 2 * R * D + R * KB, buf + 2 * R * D + R * KB + R,
@@ -145,15 +145,17 @@ int paged_prefill_attention(const float *q, const float *k, const float *v, floa
     if (!start) return -1;
     start[0] = 0;
     double total = 0; /* work ~ query positions x visible keys */
+    int64_t max_kv = 1;
     for (int64_t s = 0; s < nseq; s++) {
         if (q_len[s] < 1 || kv_len[s] < q_len[s] || kv_len[s] > width * bs) {
             free(start);
             return -3;
         }
         start[s + 1] = start[s] + hkv * ((q_len[s] + QB - 1) / QB);
+        if (kv_len[s] > max_kv) max_kv = kv_len[s];
         total += (double)q_len[s] * (kv_len[s] - q_len[s] / 2.0) * hkv;
     }
-    job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs, num_blocks,
+    job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs, num_blocks, max_kv,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2], scale};
     const int n = total < 1e5 ? 1 : thread_count(nthreads, start[nseq]);
     int64_t bounds[MAX_THREADS + 1] = {0};

@@ -30,9 +30,11 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """fp32 on the CPU with a head size the 16-wide tiles cover; anything else takes the reference."""
+    """fp32 on the CPU, a head size the 16-wide tiles cover and at most 64 query heads per kv head;
+    anything else takes the reference."""
+    hq, hkv = q.shape[1], k_cache.shape[2]
     return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
-            and q.shape[-1] % 16 == 0)
+            and k_cache.device.type == "cpu" and q.shape[-1] % 16 == 0 and hq % hkv == 0 and hq // hkv <= 64)
 
 
 def prefill_rows(q, k_cache, v_cache, tables, q_starts, q_lens, kv_lens, scale, out) -> None:
@@ -45,8 +47,10 @@ def prefill_rows(q, k_cache, v_cache, tables, q_starts, q_lens, kv_lens, scale, 
         raise RuntimeError("the CPU prefill-attention kernel could not be built (see the log)")
     t, hq, d = q.shape
     nblocks, bs, hkv, dk = k_cache.shape
-    if v_cache.shape != k_cache.shape or v_cache.dtype != q.dtype or dk != d or hq % hkv:
+    if v_cache.shape != k_cache.shape or dk != d:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    if any(x.dtype != torch.float32 or x.device.type != "cpu" for x in (v_cache, out)) or tables.device.type != "cpu":
+        raise ValueError(f"v_cache {v_cache.dtype}, out {out.dtype}: the kernel writes CPU float32")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or not q.is_contiguous() or not out.is_contiguous():
         raise ValueError("q and out must be contiguous, the KV caches need a contiguous last dimension")
     n = len(q_lens)

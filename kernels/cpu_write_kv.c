@@ -1,5 +1,5 @@
 /* Scatter a step's K and V rows into the paged caches: row t of k / v goes to flat slot
- * slots[t] (slot = block * block_size + offset; -1 = skip), one memcpy per row and cache.
+ * slots[t] (slot = block * block_size + offset; negative = skip), one memcpy per row and cache.
  *
  * The reference (two index_copy_ calls after a mask check and casts) cost ~60 us per layer at
  * decode sizes here, ~12% of a small decode step's non-GEMM time. Rows: `row` elements
@@ -13,7 +13,7 @@
 int write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots, int64_t t,
              int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize) {
     for (int64_t i = 0; i < t; i++)
-        if (slots[i] >= nslots || slots[i] < -1) return -2;
+        if (slots[i] >= nslots) return -2;
     const int64_t bytes = row * esize;
     for (int64_t i = 0; i < t; i++) {
         if (slots[i] < 0) continue;

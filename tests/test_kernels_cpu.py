@@ -10,8 +10,8 @@ output within a few fp32 ulp (another summation order for the mean square); SwiG
 import pytest
 import torch
 
-from kernels import (cpu_build, cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul, cpu_write_kv,
-                     get_backend, ref)
+from kernels import (cpu_build, cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary,
+                     cpu_silu_mul, cpu_write_kv, get_backend, ref)
 
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")
 
@@ -119,7 +119,8 @@ def test_no_compiler_means_torch_backend_for_auto_and_an_error_for_cpu(tmp_path,
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.delenv("GENPOOL_KERNEL_BACKEND", raising=False)
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    launchers = (cpu_decode_attention, cpu_gemm, cpu_rms_norm, cpu_rotary, cpu_silu_mul, cpu_write_kv)
+    launchers = (cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul,
+                 cpu_write_kv)
     for launcher in launchers:  # forget the kernels found with a compiler, before and after
         launcher._kernel.cache_clear()
     monkeypatch.setattr(cpu_build, "_loaded", {})
@@ -196,7 +197,7 @@ def test_write_kv_matches_the_reference_with_strided_rows_and_skipped_slots(dtyp
     qkv = torch.randn(7, (9 + 2 * 3) * 64).to(dtype)
     k = torch.randn(7, 3, 64).to(dtype)
     v = qkv[:, 12 * 64:].view(7, 3, 64)  # a view into the fused projection, rows 960 apart
-    slots = torch.tensor([5, -1, 16, 17, 63, 0, -1])
+    slots = torch.tensor([5, -1, 16, 17, 63, 0, -2])
     got = [torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(2)]
     want = [c.clone() for c in got]
     cpu_write_kv.write_kv(k, v, *got, slots)

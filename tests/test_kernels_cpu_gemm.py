@@ -47,11 +47,12 @@ def test_gemm_is_as_accurate_as_the_reference(m, k, n, bias):
     assert err <= 4 * ref_err + 1e-6 * k ** 0.5, (err, ref_err)
 
 
-def test_a_rows_result_does_not_depend_on_the_batch_or_threads():
-    x, w, _ = case(23, 200, 70, False, seed=1)
+@pytest.mark.parametrize("m,k,n", [(23, 200, 70), (150, 600, 40)])  # one K slice, one row block; three and two
+def test_a_rows_result_does_not_depend_on_the_batch_or_threads(m, k, n):
+    x, w, _ = case(m, k, n, False, seed=1)
     pw = cpu_gemm.PackedWeight(w)
     full = cpu_gemm.gemm(x, pw)
-    for lo, hi in [(0, 1), (3, 4), (5, 12), (17, 23), (1, 23)]:  # rows at other tile positions
+    for lo, hi in [(0, 1), (3, 4), (5, 12), (17, 23), (1, 23), (100, m)]:  # rows at other tile positions
         assert torch.equal(cpu_gemm.gemm(x[lo:hi], pw), full[lo:hi])
     threads = torch.get_num_threads()
     try:
@@ -68,6 +69,8 @@ def test_strided_rows_and_empty_batches():
     pw = cpu_gemm.PackedWeight(w)
     assert torch.equal(cpu_gemm.gemm(x, pw), cpu_gemm.gemm(x.contiguous(), pw))
     assert cpu_gemm.gemm(torch.empty(0, 64), pw).shape == (0, 30)
+    empty_k = cpu_gemm.PackedWeight(torch.empty(0, 5), torch.arange(5.0))  # an empty sum: the bias
+    assert torch.equal(cpu_gemm.gemm(torch.empty(3, 0), empty_k), torch.arange(5.0).expand(3, 5))
 
 
 def test_launcher_checks_its_inputs():
@@ -97,6 +100,7 @@ def test_linear_layers_pack_for_their_backend(monkeypatch):
     cpu = get_backend("cpu")
     lin.pack(cpu)
     assert lin.weight_t is None and isinstance(lin.packed, cpu_gemm.PackedWeight)  # held once
+    assert lin.packed.panels.grad_fn is None
     torch.testing.assert_close(lin(x, cpu), want)
     bf = Linear(32, 24).to(torch.bfloat16)
     torch.nn.init.normal_(bf.weight_t)
@@ -114,7 +118,9 @@ def test_build_falls_back_to_one_thread_without_openmp(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setattr(cpu_build, "_loaded", {})
     lib = cpu_build.load("cpu_gemm")
-    assert lib is not None and len(list((tmp_path / "kernels").glob("cpu_gemm-*.so"))) == 1
+    built = list((tmp_path / "kernels").glob("cpu_gemm-*.so"))
+    assert lib is not None and len(built) == 1
+    assert built[0] == cpu_build.library_path("cpu_gemm", str(cc), cpu_build.SERIAL_CFLAGS)  # not under the OpenMP name
     x, w, _ = case(30, 64, 40, False)
     fn = lib.gemm_packed
     fn.argtypes = cpu_gemm._kernel().argtypes

@@ -46,15 +46,38 @@ def test_prefill_matches_reference(seqs, hq, hkv, d, bs):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5, equal_nan=True)  # NaN rows: untouched
 
 
-def test_unwritten_cache_past_the_sequence_is_never_read():
-    q, k, v, tables, starts, qls, kvls = make([(20, 20)], 9, 3, 64, 16)
+@pytest.mark.parametrize("ql", [20, 9])  # a prompt, a chunk after 11 cached positions
+def test_garbage_past_the_sequence_does_not_reach_the_output(ql):
+    q, k, v, tables, starts, qls, kvls = make([(ql, 20)], 9, 3, 64, 16)
     want = torch.empty_like(q)
     cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, kvls, 0.125, want)
-    for cache in (k, v):  # positions 20..31 of the second block hold garbage, as a fresh cache may
+    for cache in (k, v):  # positions 20..31 of the second block hold NaN, as a fresh cache may
         cache[tables[0, 1], 4:] = float("nan")
     got = torch.empty_like(q)
     cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, kvls, 0.125, got)
     assert torch.equal(got[2:], want[2:])
+
+
+def test_rows_do_not_depend_on_the_batch_the_chunking_or_threads():
+    """A prompt attended whole, in two chunks, next to another sequence, on one thread: the same bits."""
+    q, k, v, tables, starts, qls, kvls = make([(300, 300), (40, 40)], 9, 3, 64, 16, gap=0)
+    whole = torch.empty_like(q)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, kvls, 0.125, whole)
+    alone = torch.empty_like(q)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables[:1], [0], [300], [300], 0.125, alone)
+    assert torch.equal(alone[:300], whole[:300])
+    chunks = torch.empty_like(q)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables[:1], [0], [133], [133], 0.125, chunks)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables[:1], [133], [167], [300], 0.125, chunks)
+    assert torch.equal(chunks[:300], whole[:300])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.empty_like(q)
+        cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, kvls, 0.125, one)
+        assert torch.equal(one, whole)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_errors_and_fallbacks():
@@ -68,17 +91,24 @@ def test_errors_and_fallbacks():
         cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, [10_000], 0.125, out)
     with pytest.raises(ValueError, match="outside q"):
         cpu_prefill_attention.prefill_rows(q, k, v, tables, [15], qls, kvls, 0.125, out)
-    # bf16 and head sizes the tiles do not cover go to the reference
-    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    got, want = torch.empty_like(qb), torch.empty_like(qb)
-    cpu_prefill_attention.prefill_rows(qb, kb, vb, tables, starts, qls, kvls, 0.125, got)
-    ref.prefill_rows(qb, kb, vb, tables, starts, qls, kvls, 0.125, want)
-    assert torch.equal(got[2:], want[2:])
+    with pytest.raises(ValueError, match="float32"):
+        cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, kvls, 0.125, out.bfloat16())
+    # bf16, head sizes the tiles do not cover, and more than 64 query heads per kv head go to the
+    # reference (the C kernel would refuse them): same bits as the reference
+    cases = [(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, starts, qls, kvls),
+             make([(20, 20)], 6, 3, 40, 16), make([(5, 5)], 66, 1, 16, 16)]
+    for qs, ks, vs, tab, st, ql, kvl in cases:
+        got, want = torch.empty_like(qs), torch.empty_like(qs)
+        cpu_prefill_attention.prefill_rows(qs, ks, vs, tab, st, ql, kvl, 0.125, got)
+        ref.prefill_rows(qs, ks, vs, tab, st, ql, kvl, 0.125, want)
+        assert torch.equal(got[2:], want[2:])
 
 
-def test_backend_routes_a_mixed_batch():
+def test_backend_routes_a_mixed_batch(monkeypatch):
     """Decode rows, a prompt and a chunk in one flattened batch: the cpu backend's paged_attention
     equals the torch reference's."""
+    monkeypatch.setenv("GENPOOL_CPU_GEMM", "1")  # the C prefill kernel, even on an AVX-512 CPU
+    assert get_backend("cpu").paged_attention.keywords["prefill"] is cpu_prefill_attention.prefill_rows
     q, k, v, tables, _, _, _ = make([(1, 30), (25, 25), (1, 100), (12, 50)], 9, 3, 64, 16, gap=0)
     qsl = torch.tensor([0, 1, 26, 27, 39], dtype=torch.int32)
     lens = torch.tensor([30, 25, 100, 50], dtype=torch.int32)
