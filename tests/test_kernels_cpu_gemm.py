@@ -105,8 +105,11 @@ def test_linear_layers_pack_for_their_backend(monkeypatch):
     bf = Linear(32, 24).to(torch.bfloat16)
     torch.nn.init.normal_(bf.weight_t)
     w = bf.weight_t.detach().clone()
-    bf.pack(cpu)  # bf16 stays on torch's GEMM
-    assert torch.equal(bf(x.bfloat16(), cpu), x.bfloat16() @ w)
+    bf.pack(cpu)  # bf16: the weight widened once, fp32 FMAs, the result rounded to bf16 once
+    got, xb = bf(x.bfloat16(), cpu), x.bfloat16()
+    assert got.dtype == torch.bfloat16 and isinstance(bf.packed, cpu_gemm.PackedWeight)
+    exact = (xb.double() @ w.double()).float()
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)  # within one bf16 rounding
 
 
 def test_build_falls_back_to_one_thread_without_openmp(tmp_path, monkeypatch):
