@@ -102,11 +102,11 @@ static int item(const job_t *j, int64_t sq, int64_t h, int64_t q0, scratch_t *w)
                 for (int64_t c = 0; c < D; c++) kt[c * KB + t] = t < full ? kb[t * j->k_ss + c] : 0.f;
             w->kt_done = p + 1;
         }
-        tiles(w->q, D, kt, KB, D, w->s, KB, 0, 0, 0, R);
+        tiles(w->q, D, kt, KB, D, w->s, KB, 0, R);
         softmax_step(j, w, R, first_pos, t0, n);
         const float *vb = j->v + blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         for (int64_t c0 = 0; c0 < D; c0 += TILE_COLS) /* only n rows of V: the rest may be unwritten */
-            tiles(w->s, KB, vb + c0, j->v_ss, n, w->o + c0, D, 1, 0, 0, R);
+            tiles(w->s, KB, vb + c0, j->v_ss, n, w->o + c0, D, 1, R);
     }
     for (int64_t r = 0; r < R; r++) {
         float *dst = j->out + ((j->q_start[sq] + q0 + r / G) * j->hq + h * G + r % G) * D;

@@ -5,8 +5,9 @@
  * so an element's value does not depend on mr or on the other rows. GCC kept an array of
  * accumulators on the stack, storing it on every k (~57 of ~200 GFLOP/s, measured); named
  * variables stay in registers. Rows past mr repeat row mr - 1 (L1 hits; not stored).
- * `accumulate`: start from c's values instead of zero. `pf`: if not NULL, prefetch pf[k * 16] for
- * k < pf_len (a slice of a GEMM's next panel). */
+ * `accumulate`: start from c's values instead of zero. tile6x16p (packed A, below) is the GEMM's
+ * variant; its `pf`, if not NULL, is prefetched at pf[k * 16] for k < pf_len (a slice of the next
+ * panel). */
 #ifndef GENPOOL_CPU_TILE_H
 #define GENPOOL_CPU_TILE_H
 #include <stdint.h>
@@ -16,135 +17,127 @@ enum { TILE_ROWS = 6, TILE_COLS = 16 };
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+/* Declares the twelve accumulators acc<row><half>: zero, or cp's first mr rows when accumulating. */
+#define TILE_LOAD_ROW(cp, ldc, mr, i)                                              \
+    if ((mr) > i) {                                                                \
+        acc##i##0 = _mm256_loadu_ps((cp) + i * (ldc));                             \
+        acc##i##1 = _mm256_loadu_ps((cp) + i * (ldc) + 8);                         \
+    }
+#define TILE_ACC_INIT(cp, ldc, mr, accumulate)                                     \
+    __m256 acc00 = _mm256_setzero_ps(), acc01 = acc00, acc10 = acc00, acc11 = acc00; \
+    __m256 acc20 = acc00, acc21 = acc00, acc30 = acc00, acc31 = acc00;             \
+    __m256 acc40 = acc00, acc41 = acc00, acc50 = acc00, acc51 = acc00;             \
+    if (accumulate) {                                                              \
+        TILE_LOAD_ROW(cp, ldc, mr, 0) TILE_LOAD_ROW(cp, ldc, mr, 1)                \
+        TILE_LOAD_ROW(cp, ldc, mr, 2) TILE_LOAD_ROW(cp, ldc, mr, 3)                \
+        TILE_LOAD_ROW(cp, ldc, mr, 4) TILE_LOAD_ROW(cp, ldc, mr, 5)                \
+    }
+/* acc<i><0,1> += x_i * (b0, b1) with x_i broadcast from a_i. */
+#define TILE_FMA_ROW(i, a_i)                                                       \
+    {                                                                              \
+        const __m256 x = _mm256_broadcast_ss(a_i);                                 \
+        acc##i##0 = _mm256_fmadd_ps(x, b0, acc##i##0);                             \
+        acc##i##1 = _mm256_fmadd_ps(x, b1, acc##i##1);                             \
+    }
+
+static inline __attribute__((always_inline)) void
+tile_store(float *c, int64_t ldc, int64_t mr, const __m256 acc[TILE_ROWS][2]) {
+    for (int64_t i = 0; i < mr; i++) {
+        _mm256_storeu_ps(c + i * ldc, acc[i][0]);
+        _mm256_storeu_ps(c + i * ldc + 8, acc[i][1]);
+    }
+}
+#define TILE_ACC_STORE(cp, ldc, mr)                                                \
+    {                                                                              \
+        const __m256 all[TILE_ROWS][2] = {{acc00, acc01}, {acc10, acc11}, {acc20, acc21}, \
+                                          {acc30, acc31}, {acc40, acc41}, {acc50, acc51}}; \
+        tile_store(cp, ldc, mr, all);                                              \
+    }
+
 static inline __attribute__((always_inline)) void
 tile6x16(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t K, float *c, int64_t ldc,
-         int accumulate, const float *pf, int64_t pf_len, const int mr) {
+         int accumulate, const int mr) {
     const float *a0 = a, *a1 = a + (mr > 1 ? 1 : 0) * lda, *a2 = a + (mr > 2 ? 2 : mr - 1) * lda,
                 *a3 = a + (mr > 3 ? 3 : mr - 1) * lda, *a4 = a + (mr > 4 ? 4 : mr - 1) * lda,
                 *a5 = a + (mr > 5 ? 5 : mr - 1) * lda;
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    if (accumulate) {
-#define LOAD(i)                                                                   \
-        if (mr > i) {                                                             \
-            c##i##0 = _mm256_loadu_ps(c + i * ldc);                               \
-            c##i##1 = _mm256_loadu_ps(c + i * ldc + 8);                           \
-        }
-        LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
-#undef LOAD
-    }
+    TILE_ACC_INIT(c, ldc, mr, accumulate)
     for (int64_t k = 0; k < K; k++) {
         const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
-        if (pf && k < pf_len) _mm_prefetch((const char *)(pf + k * TILE_COLS), _MM_HINT_T0);
-        __m256 x;
-#define ROW(i)                                     \
-        x = _mm256_broadcast_ss(a##i + k);         \
-        c##i##0 = _mm256_fmadd_ps(x, b0, c##i##0); \
-        c##i##1 = _mm256_fmadd_ps(x, b1, c##i##1);
-        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
-#undef ROW
+        TILE_FMA_ROW(0, a0 + k) TILE_FMA_ROW(1, a1 + k) TILE_FMA_ROW(2, a2 + k)
+        TILE_FMA_ROW(3, a3 + k) TILE_FMA_ROW(4, a4 + k) TILE_FMA_ROW(5, a5 + k)
     }
-#define STORE(i)                                                                  \
-    if (mr > i) {                                                                 \
-        _mm256_storeu_ps(c + i * ldc, c##i##0);                                   \
-        _mm256_storeu_ps(c + i * ldc + 8, c##i##1);                               \
-    }
-    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
-#undef STORE
+    TILE_ACC_STORE(c, ldc, mr)
 }
 
-/* tile6x16 with A packed as ap[k * 6 + i] (all six rows; only mr are loaded and stored): the
- * GEMM's hot loop. One pointer and constant offsets instead of six strided row pointers, the
- * loop unrolled by two and the prefetching iterations split off: the strided version spent about
- * as many instructions on addresses and loop control as on FMAs and ran at ~55% of the FMA peak. */
+/* tile6x16 with A packed as ap[k * 6 + i] (all six rows; only mr are loaded and stored) and B a
+ * packed panel (ldb 16): the GEMM's hot loop. One pointer and constant offsets instead of six
+ * strided row pointers, and the prefetching iterations split off: the strided version spent about
+ * as many instructions on addresses and loop control as on FMAs (~55% of the FMA peak, vs ~80%).
+ * Unrolling by two ran out of registers (spills), so it is not unrolled. */
 static inline __attribute__((always_inline)) void
 tile6x16p(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate, const float *pf,
           int64_t pf_len, int64_t mr) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    if (accumulate) {
-#define LOAD(i)                                                                   \
-        if (mr > i) {                                                             \
-            c##i##0 = _mm256_loadu_ps(c + i * ldc);                               \
-            c##i##1 = _mm256_loadu_ps(c + i * ldc + 8);                           \
-        }
-        LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
-#undef LOAD
-    }
+    TILE_ACC_INIT(c, ldc, mr, accumulate)
 #define STEP(k)                                                                    \
     {                                                                              \
         const __m256 b0 = _mm256_loadu_ps(b + (k) * TILE_COLS);                    \
         const __m256 b1 = _mm256_loadu_ps(b + (k) * TILE_COLS + 8);                \
         const float *a = ap + (k) * TILE_ROWS;                                     \
-        __m256 x;                                                                  \
-        x = _mm256_broadcast_ss(a + 0), c00 = _mm256_fmadd_ps(x, b0, c00), c01 = _mm256_fmadd_ps(x, b1, c01); \
-        x = _mm256_broadcast_ss(a + 1), c10 = _mm256_fmadd_ps(x, b0, c10), c11 = _mm256_fmadd_ps(x, b1, c11); \
-        x = _mm256_broadcast_ss(a + 2), c20 = _mm256_fmadd_ps(x, b0, c20), c21 = _mm256_fmadd_ps(x, b1, c21); \
-        x = _mm256_broadcast_ss(a + 3), c30 = _mm256_fmadd_ps(x, b0, c30), c31 = _mm256_fmadd_ps(x, b1, c31); \
-        x = _mm256_broadcast_ss(a + 4), c40 = _mm256_fmadd_ps(x, b0, c40), c41 = _mm256_fmadd_ps(x, b1, c41); \
-        x = _mm256_broadcast_ss(a + 5), c50 = _mm256_fmadd_ps(x, b0, c50), c51 = _mm256_fmadd_ps(x, b1, c51); \
+        TILE_FMA_ROW(0, a + 0) TILE_FMA_ROW(1, a + 1) TILE_FMA_ROW(2, a + 2)       \
+        TILE_FMA_ROW(3, a + 3) TILE_FMA_ROW(4, a + 4) TILE_FMA_ROW(5, a + 5)       \
     }
     int64_t k = 0;
-    const int64_t kp = pf && pf_len < K ? pf_len : pf ? K : 0;
+    const int64_t kp = pf ? (pf_len < K ? pf_len : K) : 0;
     for (; k < kp; k++) {
         _mm_prefetch((const char *)(pf + k * TILE_COLS), _MM_HINT_T0);
         STEP(k)
     }
     for (; k < K; k++) STEP(k)
 #undef STEP
-    const __m256 acc[TILE_ROWS][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-    for (int64_t i = 0; i < mr; i++) {
-        _mm256_storeu_ps(c + i * ldc, acc[i][0]);
-        _mm256_storeu_ps(c + i * ldc + 8, acc[i][1]);
-    }
+    TILE_ACC_STORE(c, ldc, mr)
 }
 #else
-/* Portable: the same per-element order, left to the compiler. */
+/* Portable: the same per-element order, left to the compiler; A element (r, k) at a[r * rs + k * ks]. */
 static inline __attribute__((always_inline)) void
-tile6x16(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t K, float *c, int64_t ldc,
-         int accumulate, const float *pf, int64_t pf_len, const int mr) {
-    (void)pf, (void)pf_len;
-    for (int r = 0; r < mr; r++) {
-        float acc[TILE_COLS];
-        for (int j = 0; j < TILE_COLS; j++) acc[j] = accumulate ? c[r * ldc + j] : 0.f;
-        for (int64_t k = 0; k < K; k++)
-#pragma omp simd
-            for (int j = 0; j < TILE_COLS; j++) acc[j] = __builtin_fmaf(a[r * lda + k], b[k * ldb + j], acc[j]);
-        for (int j = 0; j < TILE_COLS; j++) c[r * ldc + j] = acc[j];
-    }
-}
-
-static inline __attribute__((always_inline)) void
-tile6x16p(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate, const float *pf,
-          int64_t pf_len, int64_t mr) {
-    (void)pf, (void)pf_len;
+tile_portable(const float *a, int64_t rs, int64_t ks, const float *b, int64_t ldb, int64_t K, float *c,
+              int64_t ldc, int accumulate, int64_t mr) {
     for (int64_t r = 0; r < mr; r++) {
         float acc[TILE_COLS];
         for (int j = 0; j < TILE_COLS; j++) acc[j] = accumulate ? c[r * ldc + j] : 0.f;
         for (int64_t k = 0; k < K; k++)
 #pragma omp simd
-            for (int j = 0; j < TILE_COLS; j++) acc[j] = __builtin_fmaf(ap[k * TILE_ROWS + r], b[k * TILE_COLS + j], acc[j]);
+            for (int j = 0; j < TILE_COLS; j++) acc[j] = __builtin_fmaf(a[r * rs + k * ks], b[k * ldb + j], acc[j]);
         for (int j = 0; j < TILE_COLS; j++) c[r * ldc + j] = acc[j];
     }
 }
+
+static inline void tile6x16(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t K, float *c,
+                            int64_t ldc, int accumulate, const int mr) {
+    tile_portable(a, lda, 1, b, ldb, K, c, ldc, accumulate, mr);
+}
+
+static inline void tile6x16p(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate,
+                             const float *pf, int64_t pf_len, int64_t mr) {
+    (void)pf, (void)pf_len;
+    tile_portable(ap, 1, TILE_ROWS, b, TILE_COLS, K, c, ldc, accumulate, mr);
+}
 #endif
 
-/* tile6x16 over rows [0, m) in tiles of 6, the remainder with a smaller constant tile; `pf`
- * goes to the first tile only. */
+/* tile6x16 over rows [0, m) in tiles of 6, the remainder with a smaller constant tile. */
 static inline __attribute__((always_inline)) void
 tiles(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t K, float *c, int64_t ldc,
-      int accumulate, const float *pf, int64_t pf_len, int64_t m) {
+      int accumulate, int64_t m) {
     int64_t r = 0;
-    for (; r + TILE_ROWS <= m; r += TILE_ROWS, pf = 0)
-        tile6x16(a + r * lda, lda, b, ldb, K, c + r * ldc, ldc, accumulate, pf, pf_len, TILE_ROWS);
+    for (; r + TILE_ROWS <= m; r += TILE_ROWS)
+        tile6x16(a + r * lda, lda, b, ldb, K, c + r * ldc, ldc, accumulate, TILE_ROWS);
     a += r * lda;
     c += r * ldc;
     switch (m - r) {
-    case 5: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, pf, pf_len, 5); break;
-    case 4: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, pf, pf_len, 4); break;
-    case 3: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, pf, pf_len, 3); break;
-    case 2: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, pf, pf_len, 2); break;
-    case 1: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, pf, pf_len, 1); break;
+    case 5: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 5); break;
+    case 4: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 4); break;
+    case 3: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 3); break;
+    case 2: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 2); break;
+    case 1: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 1); break;
     }
 }
 #endif
