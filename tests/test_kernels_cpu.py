@@ -12,20 +12,9 @@ import torch
 
 from kernels import (cpu_build, cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary,
                      cpu_silu_mul, cpu_write_kv, get_backend, ref)
+from tests.kv_cases import make_case
 
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")
-
-
-def make_case(rows, hq, hkv, d, bs, lens, dtype, seed=0, num_blocks=None):
-    g = torch.Generator().manual_seed(seed)
-    width = max((n + bs - 1) // bs for n in lens)
-    num_blocks = num_blocks or rows * width + 3
-    k = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
-    v = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
-    # Shuffled, non-contiguous block ids, as a long-running cache hands them out.
-    ids = torch.randperm(num_blocks, generator=g)[:rows * width].view(rows, width).to(torch.int32)
-    q = torch.randn(rows, hq, d, generator=g).to(dtype)
-    return q, k, v, ids, torch.tensor(lens, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("rows,hq,hkv,d,bs,lens", [

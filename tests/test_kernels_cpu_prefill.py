@@ -9,23 +9,19 @@ import pytest
 import torch
 
 from kernels import cpu_prefill_attention, get_backend, ref
+from tests.kv_cases import make_case
 
 pytestmark = pytest.mark.skipif(not cpu_prefill_attention.available(), reason="no C compiler here")
 
 
 def make(seqs, hq, hkv, d, bs, seed=0, gap=2):
     """seqs: [(q_len, kv_len)] -> q [T, Hq, D] with `gap` unrelated rows before each sequence."""
-    g = torch.Generator().manual_seed(seed)
-    width = max((kv + bs - 1) // bs for _, kv in seqs)
-    nblocks = len(seqs) * width + 5
-    k = torch.randn(nblocks, bs, hkv, d, generator=g)
-    v = torch.randn(nblocks, bs, hkv, d, generator=g)
-    tables = torch.randperm(nblocks, generator=g)[:len(seqs) * width].view(len(seqs), width).to(torch.int32)
+    _, k, v, tables, _ = make_case(len(seqs), hq, hkv, d, bs, [kv for _, kv in seqs], torch.float32, seed)
     starts, t = [], 0
     for ql, _ in seqs:
         starts.append(t + gap)
         t += gap + ql
-    q = torch.randn(t, hq, d, generator=g)
+    q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(seed + 1))
     return q, k, v, tables, starts, [s[0] for s in seqs], [s[1] for s in seqs]
 
 
