@@ -46,8 +46,7 @@ static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
 static void panel_rows(const gemm_t *g, int64_t p, int64_t r0, int64_t r1, const float *ap, float *acc,
                        const float *next) {
     const int64_t K = g->k, col = p * NR, cols = g->n - col < NR ? g->n - col : NR;
-    /* K = 0 is one empty slice: the tiles store zeros and the bias is added as for any K. */
-    const int64_t nt = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS, nk = K > 0 ? (K + KC - 1) / KC : 1, kc = (K + nk - 1) / nk;
+    const int64_t nt = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS, nk = (K + KC - 1) / KC, kc = (K + nk - 1) / nk;
     const float *wp = g->wp + p * K * NR;
     for (int64_t ks = 0, step = 0; ks < nk; ks++) {
         const int64_t k0 = ks * kc, k1 = k0 + kc < K ? k0 + kc : K;
@@ -66,9 +65,7 @@ static void panel_rows(const gemm_t *g, int64_t p, int64_t r0, int64_t r1, const
     }
 }
 
-/* Panels [lo, hi) for all rows, one block of MC rows at a time, packed once per block by each
- * thread for itself: sharing one packed copy would need a second parallel region (a barrier)
- * per call, for a copy that is small next to the block's FMAs. */
+/* Panels [lo, hi) for all rows, one block of MC rows at a time (packed once per block). */
 static int panels(const void *arg, int64_t lo, int64_t hi) {
     const gemm_t *g = (const gemm_t *)arg;
     float *ap = malloc(sizeof(float) * (g->mc + TILE_ROWS) * (g->k + NR));

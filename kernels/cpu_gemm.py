@@ -52,6 +52,8 @@ def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
+    if w.k == 0:  # an empty sum (the C code slices K and would divide by zero slices)
+        return torch.zeros(m, w.n) if w.bias is None else w.bias.expand(m, w.n).clone()
     y = torch.empty(m, w.n, dtype=torch.float32)
     if m:
         bias = 0 if w.bias is None else w.bias.data_ptr()

@@ -51,10 +51,9 @@ static inline int64_t visible(int64_t last, int64_t n) {
 static void softmax_step(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t t0, int64_t n) {
     const int64_t G = j->hq / j->hkv, D = j->d;
     float corr[QB * 64];
-    int lims[QB * 64]; /* each row's last visible token in this panel */
     for (int64_t r = 0; r < R; r++) {
         float *s = w->s + r * KB, mx = w->m[r];
-        const int lim = lims[r] = (int)visible(first_pos + r / G - t0, n);
+        const int lim = (int)visible(first_pos + r / G - t0, n);
 #pragma omp simd reduction(max : mx)
         for (int t = 0; t < KB; t++) mx = t <= lim && s[t] > mx ? s[t] : mx;
         corr[r] = expf(w->m[r] - mx); /* 0 on the first panel (m = -inf) */
@@ -65,7 +64,7 @@ static void softmax_step(const job_t *j, scratch_t *w, int64_t R, int64_t first_
     vexpf_inplace(w->s, R * KB);
     for (int64_t r = 0; r < R; r++) {
         float *s = w->s + r * KB, *o = w->o + r * D, z = 0.f;
-        const int lim = lims[r];
+        const int lim = (int)visible(first_pos + r / G - t0, n);
 #pragma omp simd reduction(+ : z)
         for (int t = 0; t < KB; t++) {
             s[t] = t <= lim ? s[t] : 0.f; /* masked: exactly nothing */
@@ -118,12 +117,6 @@ static int item(const job_t *j, int64_t sq, int64_t h, int64_t q0, scratch_t *w)
     return 0;
 }
 
-/* Work of one item (query block at q0 of a sequence): ~ its positions x the keys they see. */
-static inline double item_cost(int64_t q_len, int64_t kv_len, int64_t q0) {
-    const int64_t nq = q_len - q0 < QB ? q_len - q0 : QB;
-    return (double)nq * (kv_len - q_len + q0 + (nq + 1) / 2.0);
-}
-
 /* Items [lo, hi) in (sequence, kv head, query block) order. */
 static int items(const void *arg, int64_t lo, int64_t hi) {
     const job_t *j = (const job_t *)arg;
@@ -152,7 +145,7 @@ int paged_prefill_attention(const float *q, const float *k, const float *v, floa
     int64_t *start = malloc(sizeof(int64_t) * (nseq + 1));
     if (!start) return -1;
     start[0] = 0;
-    double total = 0;
+    double total = 0; /* work ~ query positions x visible keys */
     int64_t max_kv = 1;
     for (int64_t s = 0; s < nseq; s++) {
         if (q_len[s] < 1 || kv_len[s] < q_len[s] || kv_len[s] > width * bs) {
@@ -161,7 +154,7 @@ int paged_prefill_attention(const float *q, const float *k, const float *v, floa
         }
         start[s + 1] = start[s] + hkv * ((q_len[s] + QB - 1) / QB);
         if (kv_len[s] > max_kv) max_kv = kv_len[s];
-        for (int64_t q0 = 0; q0 < q_len[s]; q0 += QB) total += hkv * item_cost(q_len[s], kv_len[s], q0);
+        total += (double)q_len[s] * (kv_len[s] - q_len[s] / 2.0) * hkv;
     }
     job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs, num_blocks, max_kv,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2], scale};
@@ -171,7 +164,8 @@ int paged_prefill_attention(const float *q, const float *k, const float *v, floa
     int b = 1;
     for (int64_t s = 0; s < nseq && b < n; s++) /* split items so that each thread gets ~total / n */
         for (int64_t it = start[s]; it < start[s + 1] && b < n; it++) {
-            acc += item_cost(q_len[s], kv_len[s], ((it - start[s]) % ((q_len[s] + QB - 1) / QB)) * QB);
+            const int64_t q0 = ((it - start[s]) % ((q_len[s] + QB - 1) / QB)) * QB;
+            acc += (double)QB * (kv_len[s] - q_len[s] + q0 + QB / 2);
             if (acc >= total * b / n) bounds[b++] = it + 1;
         }
     for (; b <= n; b++) bounds[b] = start[nseq];
