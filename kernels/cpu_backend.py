@@ -8,10 +8,11 @@
 - rotary: kernels/cpu_rotary.c, one pass instead of ~14 torch ops (bit-identical);
 - silu_and_mul: kernels/cpu_silu_mul.c, one pass over the fused gate_up output instead of two
   over its strided halves;
-- linear: kernels/cpu_gemm.c, with each weight packed once into 16-column panels (MKL ran
+- linear: kernels/cpu_gemm.c, with each weight packed once into 16- or 32-column panels (MKL ran
   decode-sized products at a fraction of the CPU's speed and repacked the weight per call); bf16
-  models too, their weights widened to fp32 once (torch's bf16 GEMM ran at ~1 GFLOP/s without
-  bf16 instructions); see use_tile_kernels() for AVX-512 CPUs;
+  models too where the CPU has no bf16 matmul instructions, their weights widened to fp32 once
+  (torch's bf16 GEMM ran at ~1 GFLOP/s there; with AMX it is far faster and is kept, see
+  bf16_matmul_hardware()); GENPOOL_CPU_GEMM=0 turns ours off (use_tile_kernels());
 - write_kv: kernels/cpu_write_kv.c, a memcpy per row instead of two index_copy_ calls;
 - rms_norm: kernels/cpu_rms_norm.c for fp32 (one pass instead of 7 ops); bf16 keeps the
   reference, whose vectorised bf16 conversions beat the C kernel's scalar ones.
@@ -37,23 +38,31 @@ def _rms_norm(x, weight, eps, residual=None):
 
 
 def use_tile_kernels() -> bool:
-    """Whether fp32 linear layers and prefill attention take our AVX2 register-tile kernels.
+    """Whether fp32 linear layers and prefill attention take our register-tile kernels.
 
-    GENPOOL_CPU_GEMM=1 / 0 forces the choice; by default yes, except on AVX-512 CPUs: there torch's
-    MKL GEMM and flash SDPA run 512-bit code (~300 GFLOP/s fp32 GEMMs measured on such a machine)
-    that a 256-bit tile cannot match at prefill sizes, and ours were never timed on one."""
-    forced = os.environ.get("GENPOOL_CPU_GEMM", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return not cpu_build.cpu_has("avx512f")
+    Yes by default (AVX2 and AVX-512 builds alike); GENPOOL_CPU_GEMM=0 keeps torch's MKL GEMM and
+    flash SDPA (=1 forces ours). On a 2-core AVX-512 Xeon, against MKL: decode-sized products
+    (1-48 rows) 0.85-1.5x, prompt-sized (2048 rows) ~0.85x; the engine's benchmark run was faster
+    with ours (docs/results.md)."""
+    return os.environ.get("GENPOOL_CPU_GEMM", "").strip() != "0"
+
+
+def bf16_matmul_hardware() -> bool:
+    """Whether the CPU multiplies bf16 natively (AMX or AVX512-BF16): torch's bf16 GEMM then beats
+    our fp32 one (measured on an AMX Xeon: 2.5 TFLOP/s at 2048 x 576 x 3072, 540 GFLOP/s at 48
+    rows, against ~290 / ~200 in fp32); without it, torch's bf16 GEMM ran at ~1 GFLOP/s (AVX2 EPYC)."""
+    return cpu_build.cpu_has("amx_bf16") or cpu_build.cpu_has("avx512_bf16")
 
 
 def _pack_linear(weight_t, bias=None):
-    if weight_t.dtype in (torch.float32, torch.bfloat16) and use_tile_kernels():
-        # bf16 weights are widened once (exactly): torch's bf16 GEMM ran at ~1 GFLOP/s on an AVX2
-        # CPU without bf16 instructions, ours at ~150 in fp32 (measured, 2048 x 576 x 3072).
+    if not use_tile_kernels() or weight_t.dtype not in (torch.float32, torch.bfloat16):
+        return ref.pack_linear(weight_t, bias)
+    if weight_t.dtype == torch.bfloat16:
+        if bf16_matmul_hardware():
+            return ref.pack_linear(weight_t, bias)
+        # widened once (exactly): fp32 FMAs, each output rounded once on the way out
         return cpu_gemm.PackedWeight(weight_t.float(), None if bias is None else bias.float())
-    return ref.pack_linear(weight_t, bias)
+    return cpu_gemm.PackedWeight(weight_t, bias)
 
 
 def _linear(x, w):

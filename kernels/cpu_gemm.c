@@ -15,13 +15,26 @@
 #include "cpu_tile.h"
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-enum { NR = TILE_COLS, KC = 256 };
+/* KC: K slice, so that a pair of panel slices stays in L1 while the row tiles pass over it (2 x 128
+ * x 32 floats = 32 KB of 48 on AVX-512; 2 x 256 x 16 = 32 KB of 32 on AVX2, one panel at a time):
+ * on a Zen 3 whole 576-deep panels ran at ~90 GFLOP/s against ~150 sliced; on an AVX-512 Xeon
+ * decode-sized products gained 15-20% from slicing. KC_ROWS: the slice when threads split rows
+ * (prompt-sized batches) on AVX-512: there slicing lost, since the partial sums wait in y, whose rows
+ * lie a whole row apart: 2048 x 576 x 3072 ran at 120-130 GFLOP/s per core sliced 64-256 deep
+ * against ~153 unsliced, the panels streaming from its 2 MB L2. ROW_SPLIT_TILES: tiles of rows per
+ * thread from which threads split rows instead of panels. */
+#if defined(__AVX512F__)
+enum { NR = PANEL_COLS, KC = 4096 / NR, KC_ROWS = 1024, ROW_SPLIT_TILES = 8 };
+#else
+enum { NR = PANEL_COLS, KC = 4096 / NR, KC_ROWS = KC, ROW_SPLIT_TILES = 8 };
+#endif
 
 typedef struct {
     const float *x, *wp, *bias;
     float *y;
-    int64_t m, k, n, ldx, ldy, mc;
+    int64_t m, k, n, ldx, ldy, mc, kc;
 } gemm_t;
 
 /* Rows [r0, r1) of x as tiles of six interleaved rows: ap[tile][k][6], rows past r1 zero. */
@@ -37,56 +50,94 @@ static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
         }
 }
 
-/* Rows [r0, r1) (packed in ap) of one panel into y (+ bias). K goes in slices of at most KC so
- * that a slice of the panel (KC x 16) stays in L1 while every tile of rows passes over it (a whole
- * 576-deep panel did not fit, and the tiles ran at ~90 GFLOP/s instead of ~150 with one tile); the
- * partial sums wait in acc, so each element is still one FMA chain over k in order. While the
- * panel is worked on, panel `next` (NULL: none) is prefetched in equal slices, so that its first
- * tile finds it in cache. */
-static void panel_rows(const gemm_t *g, int64_t p, int64_t r0, int64_t r1, const float *ap, float *acc,
-                       const float *next) {
-    const int64_t K = g->k, col = p * NR, cols = g->n - col < NR ? g->n - col : NR;
-    const int64_t nt = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS, nk = (K + KC - 1) / KC, kc = (K + nk - 1) / nk;
-    const float *wp = g->wp + p * K * NR;
+/* Rows [r0, r1) (packed in ap) x panels [p, p + np) (np = 1, or 2 for the pair tile) into y (+ bias).
+ * K goes in slices of at most KC so that the panels' slice stays in L1 while every tile of rows
+ * passes over it (whole 576-deep panels did not fit: ~90 GFLOP/s instead of ~150 on AVX2); the
+ * partial sums wait in y itself (or in `part`, [mc + 6, 2 * NR], for columns past n), reloaded per
+ * slice, so each element is still one FMA chain over k in order. While these panels are worked on,
+ * `next_rows` rows of the following ones (`next`, NULL: none) are prefetched in equal slices. */
+static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64_t r1, const float *ap,
+                       float *part, const float *next, int64_t next_rows) {
+    const int64_t K = g->k, col = p * NR, cols = g->n - col < np * NR ? g->n - col : np * NR;
+    const int64_t nt = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS, nk = (K + g->kc - 1) / g->kc, kc = (K + nk - 1) / nk;
+    const int direct = cols == np * NR;
+    float *c = direct ? g->y + r0 * g->ldy + col : part;
+    const int64_t ldc = direct ? g->ldy : np * NR;
+    const float *w0 = g->wp + p * K * NR, *w1 = w0 + K * NR;
     for (int64_t ks = 0, step = 0; ks < nk; ks++) {
         const int64_t k0 = ks * kc, k1 = k0 + kc < K ? k0 + kc : K;
         for (int64_t i = 0; i < nt; i++, step++) {
             const int64_t mr = r1 - r0 - i * TILE_ROWS < TILE_ROWS ? r1 - r0 - i * TILE_ROWS : TILE_ROWS;
-            const int64_t f0 = K * step / (nt * nk), f1 = K * (step + 1) / (nt * nk);
-            tile6x16p(ap + (i * K + k0) * TILE_ROWS, wp + k0 * NR, k1 - k0, acc + i * TILE_ROWS * NR, NR, ks > 0,
-                      next ? next + f0 * NR : 0, f1 - f0, mr);
+            const int64_t f0 = next_rows * step / (nt * nk), f1 = next_rows * (step + 1) / (nt * nk);
+            const float *a = ap + (i * K + k0) * TILE_ROWS, *pf = next ? next + f0 * NR : 0;
+            if (np == 2)
+                tile_pair(a, w0 + k0 * NR, w1 + k0 * NR, k1 - k0, c + i * TILE_ROWS * ldc, ldc, ks > 0, pf, f1 - f0, mr);
+            else
+                tile_panel(a, w0 + k0 * NR, k1 - k0, c + i * TILE_ROWS * ldc, ldc, ks > 0, pf, f1 - f0, mr);
         }
     }
     for (int64_t r = r0; r < r1; r++) {
-        float *out = acc + (r - r0) * NR;
+        float *out = g->y + r * g->ldy + col;
+        if (!direct) memcpy(out, part + (r - r0) * ldc, sizeof(float) * cols);
         if (g->bias)
-            for (int64_t c = 0; c < cols; c++) out[c] += g->bias[col + c];
-        memcpy(g->y + r * g->ldy + col, out, sizeof(float) * cols);
+            for (int64_t j = 0; j < cols; j++) out[j] += g->bias[col + j];
     }
 }
 
-/* Panels [lo, hi) for all rows, one block of MC rows at a time (packed once per block). */
-static int panels(const void *arg, int64_t lo, int64_t hi) {
-    const gemm_t *g = (const gemm_t *)arg;
-    float *ap = malloc(sizeof(float) * (g->mc + TILE_ROWS) * (g->k + NR));
+/* Rows [m0, m1) x panels [p0, p1), one block of mc rows at a time (packed once per block), the
+ * panels two at a time. */
+static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    float *ap = malloc(sizeof(float) * (g->mc + TILE_ROWS) * (g->k + 2 * NR));
     if (!ap) return -1;
-    float *acc = ap + (g->mc + TILE_ROWS) * g->k; /* [mc + 6, 16] partial sums of one panel */
-    for (int64_t r0 = 0; r0 < g->m; r0 += g->mc) {
-        const int64_t r1 = r0 + g->mc < g->m ? r0 + g->mc : g->m;
+    float *part = ap + (g->mc + TILE_ROWS) * g->k;
+    for (int64_t r0 = m0; r0 < m1; r0 += g->mc) {
+        const int64_t r1 = r0 + g->mc < m1 ? r0 + g->mc : m1;
         pack_rows(g, r0, r1, ap);
-        for (int64_t p = lo; p < hi; p++)
-            panel_rows(g, p, r0, r1, ap, acc, p + 1 < hi ? g->wp + (p + 1) * g->k * NR : 0);
+        for (int64_t p = p0; p < p1; p += 2) {
+            const int64_t np = p + 1 < p1 ? 2 : 1, after = p1 - p - np < 2 ? p1 - p - np : 2;
+            group_rows(g, p, np, r0, r1, ap, part, after ? g->wp + (p + np) * g->k * NR : 0, after * g->k);
+        }
     }
     free(ap);
     return 0;
 }
 
+/* Decode-sized batches: threads split the panels, so the weight streams from memory once (each
+ * thread packs the few rows itself). */
+static int by_panels(const void *arg, int64_t lo, int64_t hi) {
+    const gemm_t *g = (const gemm_t *)arg;
+    return block(g, 0, g->m, lo, hi);
+}
+
+/* Prompt-sized batches: threads split the rows in whole tiles, so no row is packed twice and a
+ * few wide panels cannot leave one thread idle (9 or 18 panels of a 576-wide layer split 5:4);
+ * each thread then reads the whole weight, from cache, once per block of mc rows. */
+static int by_rows(const void *arg, int64_t lo, int64_t hi) {
+    const gemm_t *g = (const gemm_t *)arg;
+    const int64_t m1 = hi * TILE_ROWS < g->m ? hi * TILE_ROWS : g->m;
+    return block(g, lo * TILE_ROWS, m1, 0, (g->n + NR - 1) / NR);
+}
+
+/* Rows per packed block, whole tiles: half the L2 cache's worth of x (sysconf; 512 KB if unknown). */
+static int64_t row_block(int64_t k) {
+    static long l2 = 0;
+    if (!l2) {
+        const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = v > 0 ? v : 512 * 1024;
+    }
+    const int64_t mc = (int64_t)(l2 / 2 / sizeof(float)) / (k > 0 ? k : 1) / TILE_ROWS * TILE_ROWS;
+    return mc < TILE_ROWS ? TILE_ROWS : mc;
+}
+
+/* The panel width this build packs for (16 with AVX2, 32 with AVX-512). */
+int gemm_panel_width(void) { return NR; }
+
 int gemm_packed(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t k,
                 int64_t n, int64_t ldx, int64_t ldy, int nthreads) {
-    /* ~256 KB of x per row block (half of this CPU's L2), a multiple of the tile height. */
-    int64_t mc = (65536 / (k > 0 ? k : 1)) / TILE_ROWS * TILE_ROWS;
-    if (mc < TILE_ROWS) mc = TILE_ROWS;
-    gemm_t g = {x, wp, bias, y, m, k, n, ldx, ldy, mc};
-    const int64_t np = (n + NR - 1) / NR;
-    return parallel_rows(panels, &g, np, m * k * NR, nthreads);
+    const int64_t np = (n + NR - 1) / NR, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    const int split_rows = tiles >= ROW_SPLIT_TILES * nthreads;
+    gemm_t g = {x, wp, bias, y, m, k, n, ldx, ldy, row_block(k), split_rows ? KC_ROWS : KC};
+    if (split_rows)
+        return parallel_rows(by_rows, &g, tiles, k * n, nthreads);
+    return parallel_rows(by_panels, &g, np, m * k * NR, nthreads);
 }

@@ -11,9 +11,6 @@ import torch
 
 from kernels import cpu_build
 
-NR = 16  # panel width, as in the C file
-
-
 @cache
 def _kernel():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -25,17 +22,24 @@ def available() -> bool:
     return _kernel() is not None
 
 
+@cache
+def panel_width() -> int:
+    """Columns per packed panel, as the C build chose them (16 for AVX2, 32 for AVX-512)."""
+    return cpu_build.function("cpu_gemm", "gemm_panel_width", [], ctypes.c_int)()
+
+
 class PackedWeight:
-    """W [K, N] as panels [ceil(N/16), K, 16] (zero-padded columns), plus the bias if any."""
+    """W [K, N] as panels [ceil(N/nr), K, nr] (zero-padded columns), plus the bias if any."""
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None):
         if weight_t.dim() != 2 or weight_t.dtype != torch.float32 or weight_t.device.type != "cpu":
             raise ValueError(f"pack a CPU float32 [K, N] weight, got {tuple(weight_t.shape)} {weight_t.dtype}")
         k, n = weight_t.shape
-        panels = -(-n // NR)
-        padded = torch.zeros(k, panels * NR, dtype=torch.float32)
+        nr = panel_width()
+        panels = -(-n // nr)
+        padded = torch.zeros(k, panels * nr, dtype=torch.float32)
         padded[:, :n] = weight_t.detach()  # no autograd record holding on to the loaded copy
-        self.panels = padded.view(k, panels, NR).transpose(0, 1).contiguous()  # [P, K, 16]
+        self.panels = padded.view(k, panels, nr).transpose(0, 1).contiguous()  # [P, K, nr]
         self.k, self.n = k, n
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         if self.bias is not None and self.bias.shape != (n,):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.models.llama import Linear
-from kernels import cpu_backend, cpu_build, cpu_gemm, get_backend, ref
+from kernels import cpu_backend, cpu_build, cpu_gemm, cpu_prefill_attention, get_backend, ref
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler here")
 
@@ -36,6 +36,7 @@ def exact(x, w, b):
     (13, 48, 40, True),     # two tiles and a remainder row, 2.5 panels
     (100, 1536, 20, False), # more rows than one L2 block (MC = 42 for K = 1536)
     (48, 576, 960, True),   # a decode-sized qkv with bias (Qwen2-style)
+    (200, 576, 100, True),  # prompt-sized: threads split the rows; a panel pair, then a partial one
 ])
 def test_gemm_is_as_accurate_as_the_reference(m, k, n, bias):
     x, w, b = case(m, k, n, bias)
@@ -105,11 +106,25 @@ def test_linear_layers_pack_for_their_backend(monkeypatch):
     bf = Linear(32, 24).to(torch.bfloat16)
     torch.nn.init.normal_(bf.weight_t)
     w = bf.weight_t.detach().clone()
-    bf.pack(cpu)  # bf16: the weight widened once, fp32 FMAs, the result rounded to bf16 once
+    monkeypatch.setattr(cpu_backend, "bf16_matmul_hardware", lambda: False)
+    bf.pack(cpu)  # bf16 without bf16 hardware: widened once, fp32 FMAs, rounded to bf16 once
     got, xb = bf(x.bfloat16(), cpu), x.bfloat16()
     assert got.dtype == torch.bfloat16 and isinstance(bf.packed, cpu_gemm.PackedWeight)
     exact = (xb.double() @ w.double()).float()
     torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)  # within one bf16 rounding
+    native = Linear(32, 24).to(torch.bfloat16)
+    native.weight_t.data.copy_(w)
+    monkeypatch.setattr(cpu_backend, "bf16_matmul_hardware", lambda: True)
+    native.pack(cpu)  # with AMX / AVX512-BF16: torch's bf16 GEMM on the weight as loaded
+    assert isinstance(native.packed, tuple) and native.packed[0].dtype == torch.bfloat16
+    torch.testing.assert_close(native(xb, cpu), xb @ w)
+
+
+def test_bf16_hardware_is_read_from_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_has", lambda flag: flag == "amx_bf16")
+    assert cpu_backend.bf16_matmul_hardware()
+    monkeypatch.setattr(cpu_build, "cpu_has", lambda flag: flag == "avx2")
+    assert not cpu_backend.bf16_matmul_hardware()
 
 
 def test_build_falls_back_to_one_thread_without_openmp(tmp_path, monkeypatch):
@@ -133,20 +148,17 @@ def test_build_falls_back_to_one_thread_without_openmp(tmp_path, monkeypatch):
     assert torch.equal(y, cpu_gemm.gemm(x, pw))
 
 
-def test_tile_kernels_are_the_default_except_on_avx512(monkeypatch):
+def test_tile_kernels_are_the_default_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("GENPOOL_CPU_GEMM", raising=False)
-    monkeypatch.setattr(cpu_build, "cpu_has", lambda flag: flag == "avx512f")
+    assert cpu_backend.use_tile_kernels()
+    assert get_backend("cpu").paged_attention.keywords["prefill"] is cpu_prefill_attention.prefill_rows
+    monkeypatch.setenv("GENPOOL_CPU_GEMM", "0")
     assert not cpu_backend.use_tile_kernels()
     lin = Linear(8, 4)
     lin.pack(get_backend("cpu"))
     assert isinstance(lin.packed, tuple)  # torch's GEMM, the weight as loaded
     assert get_backend("cpu").paged_attention.keywords["prefill"] is ref.prefill_rows
     monkeypatch.setenv("GENPOOL_CPU_GEMM", "1")
-    assert cpu_backend.use_tile_kernels()
-    monkeypatch.setenv("GENPOOL_CPU_GEMM", "0")
-    monkeypatch.setattr(cpu_build, "cpu_has", lambda flag: False)
-    assert not cpu_backend.use_tile_kernels()
-    monkeypatch.delenv("GENPOOL_CPU_GEMM")
     assert cpu_backend.use_tile_kernels()
 
 
