@@ -1,14 +1,17 @@
 /* fp32 GEMM for the model's linear layers: y[M, N] = x[M, K] @ W[K, N] (+ bias[N]).
  *
  * Why our own: MKL on an AVX2 EPYC ran decode-sized products (M = 1-48 rows) at 5-90 GFLOP/s and
- * repacked the weight on every call (its copy routine was 15% of an engine profile). Here the
- * weight is packed once, at load time, into column panels of NR = 16: wp[N/16][K][16], zero-padded
- * (kernels/cpu_gemm.py), which a 6x16 register tile reads front to back.
+ * repacked the weight on every call (its copy routine was 15% of an engine profile); on an AVX-512
+ * Xeon ours runs them at 0.85-1.5x MKL (1.2-1.5x from 4 to 48 rows). Here the weight is packed
+ * once, at load time, into column panels of NR (16 on AVX2, 32 on AVX-512): wp[N/NR][K][NR],
+ * zero-padded (kernels/cpu_gemm.py), which the register tiles of cpu_tile.h read front to back,
+ * two panels at a time where there are two.
  *
  * Every output element is one FMA chain over k = 0..K-1 whatever M is, so a row's result does
- * not depend on what else is in the batch. Threads take disjoint ranges of panels; rows go in
- * blocks of MC, packed six-interleaved (pack_rows) so that a block stays in L2 while every panel
- * streams past it, and K in slices that keep a panel's slice in L1 (panel_rows).
+ * not depend on what else is in the batch. Threads take disjoint ranges of panels (decode-sized
+ * batches) or of row tiles (prompt-sized); rows go in blocks of mc, packed six-interleaved
+ * (pack_rows) so that a block stays in L2 while every panel streams past it, and K in slices that
+ * keep the panels' slice in L1 (group_rows).
  * x and y: row-major with leading dimensions ldx / ldy (elements). Returns 0, or -1 out of memory.
  */
 #include "cpu_common.h"

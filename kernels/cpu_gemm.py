@@ -1,4 +1,5 @@
-"""Launcher for kernels/cpu_gemm.c: fp32 x @ W with W packed once into 16-column panels.
+"""Launcher for kernels/cpu_gemm.c: fp32 x @ W with W packed once into column panels
+(16 columns wide on AVX2, 32 on AVX-512: panel_width()).
 
 Reference: `x @ weight_t (+ bias)` (kernels/ref.py `linear`); tests/test_kernels_cpu_gemm.py compares them.
 """

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Iterable, Optional
 
@@ -26,6 +27,8 @@ from .aio import AsyncClient, AsyncJob
 from .config import key_prefix, redis_url
 from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body,
                             error_from_event, final_chunks, parse_body)
+
+log = logging.getLogger("genpool.gateway")
 
 GATEWAY_PRIORITY = -1  # HTTP callers are waiting: the interactive lane, which workers read first
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -199,11 +202,24 @@ async def _race(aw: Awaitable, watcher: asyncio.Future) -> Any:
     task = asyncio.ensure_future(aw)
     await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-            await task
+        await stop_task(task)
         raise ClientGone()
     return task.result()
+
+
+async def stop_task(task: asyncio.Future, tries: int = 50, every_s: float = 0.1) -> None:
+    """Cancel `task` and wait for it to end. Cancelling again until it does: redis-py's asyncio
+    client can swallow a cancellation that lands at an unlucky moment (reproduced: a task reading
+    with XREAD BLOCK kept running after cancel()), and awaiting such a task once hung the request
+    forever, so a disconnected client's job was never cancelled."""
+    for _ in range(tries):
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=every_s)
+        if done:
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                task.result()
+            return
+    log.warning("a cancelled request task is still running after %d cancels; leaving it", tries)
 
 
 async def until_disconnect(request: Request, aw: Awaitable) -> Any:

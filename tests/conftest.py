@@ -26,12 +26,12 @@ def smollm2_path() -> Path:
         pytest.skip(f"smollm2-135m checkpoint unavailable: {e}")
 
 
-def _write_tiny(out: Path, tok_src: Path, arch: str) -> Path:
+def _write_tiny(out: Path, tok_src: Path, arch: str, context: int = 2048) -> Path:
     import torch
     import transformers
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   initializer_range=0.1,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -58,6 +58,12 @@ def _write_tiny(out: Path, tok_src: Path, arch: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory, smollm2_path) -> Path:
     return _write_tiny(tmp_path_factory.mktemp("tiny_llama"), smollm2_path, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long_path(tmp_path_factory, smollm2_path) -> Path:
+    """The tiny Llama with a 16384-token context, for jobs that must run for seconds."""
+    return _write_tiny(tmp_path_factory.mktemp("tiny_llama_long"), smollm2_path, "llama", context=16384)
 
 
 @pytest.fixture(scope="session")

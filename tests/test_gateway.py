@@ -39,10 +39,10 @@ def answers(base: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def pool(redis_url, tiny_llama_path, tmp_path_factory):
+def pool(redis_url, tiny_llama_long_path, tmp_path_factory):
     prefix, port = new_prefix("gw"), free_port()
     logs = tmp_path_factory.mktemp("gateway")
-    worker = spawn_worker(redis_url, prefix, tiny_llama_path, "gw-w", "--max-num-seqs", "8",
+    worker = spawn_worker(redis_url, prefix, tiny_llama_long_path, "gw-w", "--max-num-seqs", "8",
                           "--served-model-name", "tiny", "--num-threads", "1",
                           log_path=logs / "worker.log")
     gw = subprocess.Popen([sys.executable, "-m", "workers.cli", "gateway", "--port", str(port),
@@ -180,7 +180,10 @@ def test_disconnect_cancels_streamed_job(pool):
 
 
 def test_disconnect_cancels_non_streamed_job(pool):
-    body = {"model": "tiny", "prompt": "Twice", "max_tokens": 1500, "ignore_eos": True}
+    # The job must outlast the client's 1 s timeout by far: a job that ends between the client
+    # giving up and the gateway's cancel leaves nothing to cancel (the likely cause of this test's
+    # two CI failures once the kernels got faster: 1500 tokens of the tiny model take about 1 s).
+    body = {"model": "tiny", "prompt": "Twice", "max_tokens": 15000, "ignore_eos": True}
     r = redis.Redis.from_url(pool["url"], decode_responses=True)
     prefix = pool["prefix"]
 
@@ -196,6 +199,34 @@ def test_disconnect_cancels_non_streamed_job(pool):
     key = wait_for(cancelled_jobs, 20, what="non-streamed job cancelled")[0]
     err = wait_for(lambda: r.hget(key, "error"), 20, what="cancel reached the worker")
     assert json.loads(err)["code"] == "cancelled"
+
+
+def test_a_task_that_swallows_its_cancellation_is_cancelled_again():
+    """The gateway's cancel of a request's job.result() must end it even when the task survives
+    one cancel() (redis-py's asyncio client did, inside XREAD BLOCK), else the request hangs and
+    the disconnected client's job is never cancelled."""
+    import asyncio
+
+    from producer.gateway import stop_task
+
+    async def stubborn(log):
+        for _ in range(2):  # survives two cancellations, like a swallowed one
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                log.append("swallowed")
+        await asyncio.sleep(10)
+        log.append("ran on")
+
+    async def main():
+        log = []
+        task = asyncio.ensure_future(stubborn(log))
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(stop_task(task, every_s=0.05), 5)
+        return task, log
+
+    task, log = asyncio.run(main())
+    assert task.cancelled() and log == ["swallowed", "swallowed"]  # the third cancel ended it
 
 
 @contextlib.contextmanager
