@@ -20,8 +20,8 @@
 #include <string.h>
 #include <unistd.h>
 
-/* KC: K slice, so that a pair of panel slices stays in L1 while the row tiles pass over it (2 x 128
- * x 32 floats = 32 KB of 48 on AVX-512; 2 x 256 x 16 = 32 KB of 32 on AVX2, one panel at a time):
+/* KC: K slice, so that the slices of a tile call's panels stay in L1 while the row tiles pass over
+ * them (a pair: 2 x 128 x 32 floats = 32 KB of 48 on AVX-512; one 256 x 16 panel = 16 KB on AVX2):
  * on a Zen 3 whole 576-deep panels ran at ~90 GFLOP/s against ~150 sliced; on an AVX-512 Xeon
  * decode-sized products gained 15-20% from slicing. KC_ROWS: the slice when threads split rows
  * (prompt-sized batches) on AVX-512: there slicing lost, since the partial sums wait in y, whose rows
@@ -88,7 +88,7 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
 }
 
 /* Rows [m0, m1) x panels [p0, p1), one block of mc rows at a time (packed once per block), the
- * panels two at a time. */
+ * panels PANEL_GROUP at a time. */
 static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
     float *ap = malloc(sizeof(float) * (g->mc + TILE_ROWS) * (g->k + 2 * NR));
     if (!ap) return -1;
@@ -96,8 +96,9 @@ static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1
     for (int64_t r0 = m0; r0 < m1; r0 += g->mc) {
         const int64_t r1 = r0 + g->mc < m1 ? r0 + g->mc : m1;
         pack_rows(g, r0, r1, ap);
-        for (int64_t p = p0; p < p1; p += 2) {
-            const int64_t np = p + 1 < p1 ? 2 : 1, after = p1 - p - np < 2 ? p1 - p - np : 2;
+        for (int64_t p = p0; p < p1; p += PANEL_GROUP) {
+            const int64_t np = p + 1 < p1 ? PANEL_GROUP : 1;
+            const int64_t after = p1 - p - np < PANEL_GROUP ? p1 - p - np : PANEL_GROUP;
             group_rows(g, p, np, r0, r1, ap, part, after ? g->wp + (p + np) * g->k * NR : 0, after * g->k);
         }
     }

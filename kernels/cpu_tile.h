@@ -131,7 +131,7 @@ static inline void tile6x16p(const float *ap, const float *b, int64_t K, float *
  * of 8 per 12). `pf`: `pf_rows` rows of PANEL_COLS floats of the next panels, prefetched into L2
  * over the first iterations (one row per k; two for the pair). */
 #if defined(__AVX512F__)
-enum { PANEL_COLS = 32 };
+enum { PANEL_COLS = 32, PANEL_GROUP = 2 }; /* PANEL_GROUP: panels the GEMM hands one tile call */
 #define W_INIT(i, v)                                                               \
     __m512 w##i##v = _mm512_setzero_ps();                                          \
     if (accumulate && mr > i) w##i##v = _mm512_loadu_ps(c + i * ldc + v * 16);
@@ -190,14 +190,16 @@ tile_pair(const float *ap, const float *p0, const float *p1, int64_t K, float *c
     W_ROWS(W_STORE, 0) W_ROWS(W_STORE, 1) W_ROWS(W_STORE, 2) W_ROWS(W_STORE, 3)
 }
 #else
-enum { PANEL_COLS = TILE_COLS };
+/* One panel at a time: two 256 x 16 slices would fill a Zen 3's 32 KB L1, where one was measured. */
+enum { PANEL_COLS = TILE_COLS, PANEL_GROUP = 1 };
 static inline __attribute__((always_inline)) void
 tile_panel(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate, const float *pf,
            int64_t pf_rows, int64_t mr) {
     tile6x16p(ap, b, K, c, ldc, accumulate, pf, pf_rows, mr);
 }
 
-/* AVX2 has 16 registers, all but four taken by one tile's accumulators: the pair is two tiles. */
+/* AVX2 has 16 registers, all but four taken by one tile's accumulators: the pair is two tiles
+ * (the GEMM does not group panels on AVX2; this keeps tile_pair defined for every build). */
 static inline __attribute__((always_inline)) void
 tile_pair(const float *ap, const float *p0, const float *p1, int64_t K, float *c, int64_t ldc, int accumulate,
           const float *pf, int64_t pf_rows, int64_t mr) {
