@@ -21,10 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas import LANES, Keys
+from schemas import Keys
 
 from .aio import AsyncClient, AsyncJob
 from .config import key_prefix, redis_url
+from .protocol import lane_depths, queue_lane_depths
 from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body,
                             error_from_event, final_chunks, parse_body)
 
@@ -74,19 +75,10 @@ class Gateway:
 
     async def queue_depth(self) -> int:
         """Entries no worker has picked up yet, over all lanes (pending ones are being served)."""
-        r = self.client.redis
-        pipe = r.pipeline(transaction=False)
-        for lane in LANES:
-            pipe.xlen(self.keys.jobs(lane))
-            pipe.xinfo_groups(self.keys.jobs(lane))
-        out = await pipe.execute(raise_on_error=False)
-        depth = 0
-        for length, groups in zip(out[0::2], out[1::2]):
-            pending = 0
-            if isinstance(groups, list):
-                pending = sum(int(g["pending"]) for g in groups if g["name"] == self.keys.group)
-            depth += max(0, int(length if isinstance(length, int) else 0) - pending)
-        return depth
+        pipe = self.client.redis.pipeline(transaction=False)
+        queue_lane_depths(pipe, self.keys)
+        depths = lane_depths(await pipe.execute(raise_on_error=False))
+        return sum(queued for queued, _ in depths.values())
 
     async def models(self) -> list[dict]:
         r = self.client.redis

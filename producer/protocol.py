@@ -6,13 +6,36 @@ from typing import Any, Iterator, Optional, Union
 
 from pydantic import ValidationError
 
-from schemas import ChatMessage, ErrorEvent, JobRequest, ResultEvent, describe_validation_error
+from schemas import LANES, ChatMessage, ErrorEvent, JobRequest, ResultEvent, describe_validation_error
 from schemas import parse_event as _parse_event
 
 JOB_TTL_S = 7 * 86400  # a queued job's hash lives this long; workers shorten it once done
 CONTROL_MAXLEN = 10_000
 READ_BLOCK_MS = 5_000
 READ_COUNT = 1_000
+
+
+def queue_lane_depths(pipe, keys) -> None:
+    """Queue, on a sync or asyncio pipeline, what lane_depths() reads: XLEN and the group's
+    XPENDING summary of every lane."""
+    for lane in LANES:
+        pipe.xlen(keys.jobs(lane))
+        pipe.xpending(keys.jobs(lane), keys.group)
+
+
+def lane_depths(replies: list) -> dict[str, tuple[int, int]]:
+    """{lane: (queued, pending)} from queue_lane_depths()' replies (executed with
+    raise_on_error=False: a lane or group not created yet counts as empty). Workers delete the
+    entries they ack (docs/protocol.md), so a stream holds exactly its queued (never delivered)
+    entries plus the pending ones."""
+    out = {}
+    for i, lane in enumerate(LANES):
+        length, summary = replies[2 * i], replies[2 * i + 1]
+        pending = int(summary["pending"]) if isinstance(summary, dict) else 0
+        length = length if isinstance(length, int) else 0
+        out[lane] = (max(0, length - pending), pending)
+    return out
+
 
 # Atomic "create unless it exists" + enqueue. One script call is one round trip and cannot leave a
 # job hash without its stream entry (which a two-step HSETNX-then-XADD could after a crash).

@@ -6,25 +6,16 @@ import time
 
 import redis
 
-from schemas import LANES, Keys
+from schemas import Keys
+
+from .protocol import lane_depths, queue_lane_depths
 
 
 def _lane_status(r: redis.Redis, keys: Keys) -> dict:
     pipe = r.pipeline(transaction=False)
-    for lane in LANES:
-        pipe.xlen(keys.jobs(lane))
-        pipe.xinfo_groups(keys.jobs(lane))
-    out = pipe.execute(raise_on_error=False)
-    lanes = {}
-    for i, lane in enumerate(LANES):
-        length, groups = out[2 * i], out[2 * i + 1]
-        group = next((g for g in groups if _s(g["name"]) == keys.group), None) \
-            if isinstance(groups, list) else None
-        pending = int(group["pending"]) if group else 0
-        # Workers delete entries when they ack them, so the stream holds exactly the queued
-        # (never delivered) entries plus the pending ones.
-        lanes[lane] = {"queued": max(0, int(length or 0) - pending), "pending": pending}
-    return lanes
+    queue_lane_depths(pipe, keys)
+    depths = lane_depths(pipe.execute(raise_on_error=False))
+    return {lane: {"queued": queued, "pending": pending} for lane, (queued, pending) in depths.items()}
 
 
 def _worker_status(r: redis.Redis, keys: Keys) -> list[dict]:

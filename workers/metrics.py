@@ -21,7 +21,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from schemas import LANES
+from producer.protocol import lane_depths, queue_lane_depths
 
 from .observe import WorkerObserver
 
@@ -135,20 +135,11 @@ class QueueSource:
 
     def read(self) -> dict:
         pipe = self.r.pipeline(transaction=False)
-        for lane in LANES:
-            pipe.xlen(self.keys.jobs(lane))
-            pipe.xpending(self.keys.jobs(lane), self.keys.group)
+        queue_lane_depths(pipe, self.keys)
         pipe.xlen(self.keys.dead)
         out = pipe.execute(raise_on_error=False)
-        lanes = {}
-        for i, lane in enumerate(LANES):
-            length, pend = out[2 * i], out[2 * i + 1]
-            pending = int(pend["pending"]) if isinstance(pend, dict) else 0
-            length = length if isinstance(length, int) else 0
-            # acked entries are deleted (docs/protocol.md), so XLEN = queued + pending
-            lanes[lane] = (max(0, length - pending), pending)
         dead = out[-1] if isinstance(out[-1], int) else 0
-        return {"lanes": lanes, "dead": dead}
+        return {"lanes": lane_depths(out[:-1]), "dead": dead}
 
 
 class _SnapshotCollector:
