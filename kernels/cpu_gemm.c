@@ -2,7 +2,7 @@
  *
  * Why our own: MKL on an AVX2 EPYC ran decode-sized products (M = 1-48 rows) at 5-90 GFLOP/s and
  * repacked the weight on every call (its copy routine was 15% of an engine profile); on an AVX-512
- * Xeon ours runs them at 0.85-1.5x MKL (1.2-1.5x from 4 to 48 rows). Here the weight is packed
+ * Xeon ours runs them at 0.8-1.6x MKL (1.2-1.6x from 4 to 48 rows). Here the weight is packed
  * once, at load time, into column panels of NR (16 on AVX2, 32 on AVX-512): wp[N/NR][K][NR],
  * zero-padded (kernels/cpu_gemm.py), which the register tiles of cpu_tile.h read front to back,
  * two panels at a time where there are two.
