@@ -90,9 +90,10 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
 /* Rows [m0, m1) x panels [p0, p1), one block of mc rows at a time (packed once per block), the
  * panels PANEL_GROUP at a time. */
 static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-    float *ap = malloc(sizeof(float) * (g->mc + TILE_ROWS) * (g->k + 2 * NR));
+    const int64_t rows = (m1 - m0 < g->mc ? m1 - m0 : g->mc) + TILE_ROWS; /* a decode step: a few */
+    float *ap = malloc(sizeof(float) * rows * (g->k + 2 * NR));
     if (!ap) return -1;
-    float *part = ap + (g->mc + TILE_ROWS) * g->k;
+    float *part = ap + rows * g->k;
     for (int64_t r0 = m0; r0 < m1; r0 += g->mc) {
         const int64_t r1 = r0 + g->mc < m1 ? r0 + g->mc : m1;
         pack_rows(g, r0, r1, ap);

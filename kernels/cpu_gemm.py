@@ -26,7 +26,10 @@ def available() -> bool:
 @cache
 def panel_width() -> int:
     """Columns per packed panel, as the C build chose them (16 for AVX2, 32 for AVX-512)."""
-    return cpu_build.function("cpu_gemm", "gemm_panel_width", [], ctypes.c_int)()
+    fn = cpu_build.function("cpu_gemm", "gemm_panel_width", [], ctypes.c_int)
+    if fn is None:
+        raise RuntimeError("the CPU GEMM kernel could not be built (see the log)")
+    return fn()
 
 
 class PackedWeight:

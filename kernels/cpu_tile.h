@@ -182,7 +182,7 @@ tile_pair(const float *ap, const float *p0, const float *p1, int64_t K, float *c
     int64_t k = 0;
     for (const int64_t kp = pf ? ((pf_rows + 1) / 2 < K ? (pf_rows + 1) / 2 : K) : 0; k < kp; k++) {
         W_PF(2 * k)
-        W_PF(2 * k + 1)
+        if (2 * k + 1 < pf_rows) W_PF(2 * k + 1)
         STEP(k)
     }
     for (; k < K; k++) STEP(k)

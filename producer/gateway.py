@@ -203,15 +203,27 @@ async def stop_task(task: asyncio.Future, tries: int = 50, every_s: float = 0.1)
     """Cancel `task` and wait for it to end. Cancelling again until it does: redis-py's asyncio
     client can swallow a cancellation that lands at an unlucky moment (reproduced: a task reading
     with XREAD BLOCK kept running after cancel()), and awaiting such a task once hung the request
-    forever, so a disconnected client's job was never cancelled."""
+    forever, so a disconnected client's job was never cancelled. Whatever the task ends with
+    after the cancel (a redis error raised by the interrupted read, say) is moot and only logged:
+    the caller must go on to cancel the job."""
     for _ in range(tries):
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=every_s)
         if done:
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                task.result()
+            _outcome_after_cancel(task)
             return
     log.warning("a cancelled request task is still running after %d cancels; leaving it", tries)
+    _background.add(task)  # referenced until it ends, and its outcome read then
+    task.add_done_callback(_background.discard)
+    task.add_done_callback(_outcome_after_cancel)
+
+
+def _outcome_after_cancel(task: asyncio.Future) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, StopAsyncIteration):
+        log.debug("a cancelled request task ended with %r", exc)
 
 
 async def until_disconnect(request: Request, aw: Awaitable) -> Any:

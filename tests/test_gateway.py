@@ -228,6 +228,20 @@ def test_a_task_that_swallows_its_cancellation_is_cancelled_again():
     task, log = asyncio.run(main())
     assert task.cancelled() and log == ["swallowed", "swallowed"]  # the third cancel ended it
 
+    async def fails_when_cancelled():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise redis.ConnectionError("the read was interrupted") from None
+
+    async def main2():
+        task = asyncio.ensure_future(fails_when_cancelled())
+        await asyncio.sleep(0.01)
+        await stop_task(task, every_s=0.05)  # returns: the caller goes on to cancel the job
+        return task
+
+    assert isinstance(asyncio.run(main2()).exception(), redis.ConnectionError)
+
 
 @contextlib.contextmanager
 def serve_in_thread(app):
