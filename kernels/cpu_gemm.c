@@ -53,7 +53,7 @@ static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
         }
 }
 
-/* Rows [r0, r1) (packed in ap) x panels [p, p + np) (np = 1, or 2 for the pair tile) into y (+ bias).
+/* Rows [r0, r1) (packed in ap) x panels [p, p + np) (np = 1, or 2 on AVX-512) into y (+ bias).
  * K goes in slices of at most KC so that the panels' slice stays in L1 while every tile of rows
  * passes over it (whole 576-deep panels did not fit: ~90 GFLOP/s instead of ~150 on AVX2); the
  * partial sums wait in y itself (or in `part`, [mc + 6, 2 * NR], for columns past n), reloaded per
@@ -73,10 +73,11 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
             const int64_t mr = r1 - r0 - i * TILE_ROWS < TILE_ROWS ? r1 - r0 - i * TILE_ROWS : TILE_ROWS;
             const int64_t f0 = next_rows * step / (nt * nk), f1 = next_rows * (step + 1) / (nt * nk);
             const float *a = ap + (i * K + k0) * TILE_ROWS, *pf = next ? next + f0 * NR : 0;
-            if (np == 2)
-                tile_pair(a, w0 + k0 * NR, w1 + k0 * NR, k1 - k0, c + i * TILE_ROWS * ldc, ldc, ks > 0, pf, f1 - f0, mr);
+            float *ci = c + i * TILE_ROWS * ldc;
+            if (np == 2) /* constant np per call: each tile_group variant compiles branch-free */
+                tile_group(a, w0 + k0 * NR, w1 + k0 * NR, 2, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
             else
-                tile_panel(a, w0 + k0 * NR, k1 - k0, c + i * TILE_ROWS * ldc, ldc, ks > 0, pf, f1 - f0, mr);
+                tile_group(a, w0 + k0 * NR, 0, 1, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
         }
     }
     for (int64_t r = r0; r < r1; r++) {

@@ -123,21 +123,21 @@ static inline void tile6x16p(const float *ap, const float *b, int64_t K, float *
 }
 #endif
 
-/* The GEMM's tiles over packed operands: six packed rows (ap[k * 6 + i]) against one panel
- * (b[k * PANEL_COLS + j], tile_panel) or two adjacent panels (b0, b1: tile_pair, whose columns
- * land side by side in c), as tile6x16p. On AVX-512 a panel is 32 columns, two zmm vectors per row:
- * the single tile has the AVX2 tile's twelve FMA chains, the pair twenty-four (hot in L1: ~94% of
- * the measured FMA peak for the pair vs ~85% single, since it needs 10 loads per 24 FMAs instead
- * of 8 per 12). `pf`: `pf_rows` rows of PANEL_COLS floats of the next panels, prefetched into L2
- * over the first iterations (one row per k; two for the pair). */
+/* The GEMM's tile over packed operands: six packed rows (ap[k * 6 + i]) against `np` adjacent
+ * panels (b[k * PANEL_COLS + j] of each, np = 1 or PANEL_GROUP), whose columns land side by side in
+ * c, as tile6x16p. `np` is a constant at every call, so each variant compiles without the branches.
+ * On AVX-512 a panel is 32 columns, two zmm vectors per row: one panel gives the AVX2 tile's twelve
+ * FMA chains, a pair twenty-four (hot in L1: ~94% of the measured FMA peak for the pair vs ~85%
+ * single, since it needs 10 loads per 24 FMAs instead of 8 per 12). `pf`: `pf_rows` rows of
+ * PANEL_COLS floats of the next panels, prefetched into L2 over the first iterations, np a k. */
 #if defined(__AVX512F__)
 enum { PANEL_COLS = 32, PANEL_GROUP = 2 }; /* PANEL_GROUP: panels the GEMM hands one tile call */
 #define W_INIT(i, v)                                                               \
     __m512 w##i##v = _mm512_setzero_ps();                                          \
-    if (accumulate && mr > i) w##i##v = _mm512_loadu_ps(c + i * ldc + v * 16);
+    if (accumulate && mr > i && v / 2 < np) w##i##v = _mm512_loadu_ps(c + i * ldc + v * 16);
 #define W_FMA(i, v) w##i##v = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b##v, w##i##v);
 #define W_STORE(i, v)                                                              \
-    if (mr > i) _mm512_storeu_ps(c + i * ldc + v * 16, w##i##v);
+    if (mr > i && v / 2 < np) _mm512_storeu_ps(c + i * ldc + v * 16, w##i##v);
 #define W_ROWS(M, v) M(0, v) M(1, v) M(2, v) M(3, v) M(4, v) M(5, v)
 #define W_PF(row)                                                                  \
     {                                                                              \
@@ -146,43 +146,24 @@ enum { PANEL_COLS = 32, PANEL_GROUP = 2 }; /* PANEL_GROUP: panels the GEMM hands
     }
 
 static inline __attribute__((always_inline)) void
-tile_panel(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate, const float *pf,
-           int64_t pf_rows, int64_t mr) {
-    W_ROWS(W_INIT, 0) W_ROWS(W_INIT, 1)
-#define STEP(k)                                                                    \
-    {                                                                              \
-        const __m512 b0 = _mm512_loadu_ps(b + (k) * PANEL_COLS);                   \
-        const __m512 b1 = _mm512_loadu_ps(b + (k) * PANEL_COLS + 16);              \
-        const float *a = ap + (k) * TILE_ROWS;                                     \
-        W_ROWS(W_FMA, 0) W_ROWS(W_FMA, 1)                                          \
-    }
-    int64_t k = 0;
-    for (const int64_t kp = pf ? (pf_rows < K ? pf_rows : K) : 0; k < kp; k++) {
-        W_PF(k)
-        STEP(k)
-    }
-    for (; k < K; k++) STEP(k)
-#undef STEP
-    W_ROWS(W_STORE, 0) W_ROWS(W_STORE, 1)
-}
-
-static inline __attribute__((always_inline)) void
-tile_pair(const float *ap, const float *p0, const float *p1, int64_t K, float *c, int64_t ldc, int accumulate,
-          const float *pf, int64_t pf_rows, int64_t mr) {
+tile_group(const float *ap, const float *p0, const float *p1, const int np, int64_t K, float *c, int64_t ldc,
+           int accumulate, const float *pf, int64_t pf_rows, int64_t mr) {
     W_ROWS(W_INIT, 0) W_ROWS(W_INIT, 1) W_ROWS(W_INIT, 2) W_ROWS(W_INIT, 3)
 #define STEP(k)                                                                    \
     {                                                                              \
         const __m512 b0 = _mm512_loadu_ps(p0 + (k) * PANEL_COLS);                  \
         const __m512 b1 = _mm512_loadu_ps(p0 + (k) * PANEL_COLS + 16);             \
-        const __m512 b2 = _mm512_loadu_ps(p1 + (k) * PANEL_COLS);                  \
-        const __m512 b3 = _mm512_loadu_ps(p1 + (k) * PANEL_COLS + 16);             \
         const float *a = ap + (k) * TILE_ROWS;                                     \
-        W_ROWS(W_FMA, 0) W_ROWS(W_FMA, 1) W_ROWS(W_FMA, 2) W_ROWS(W_FMA, 3)        \
+        W_ROWS(W_FMA, 0) W_ROWS(W_FMA, 1)                                          \
+        if (np == 2) {                                                             \
+            const __m512 b2 = _mm512_loadu_ps(p1 + (k) * PANEL_COLS);              \
+            const __m512 b3 = _mm512_loadu_ps(p1 + (k) * PANEL_COLS + 16);         \
+            W_ROWS(W_FMA, 2) W_ROWS(W_FMA, 3)                                      \
+        }                                                                          \
     }
     int64_t k = 0;
-    for (const int64_t kp = pf ? ((pf_rows + 1) / 2 < K ? (pf_rows + 1) / 2 : K) : 0; k < kp; k++) {
-        W_PF(2 * k)
-        if (2 * k + 1 < pf_rows) W_PF(2 * k + 1)
+    for (const int64_t kp = pf ? ((pf_rows + np - 1) / np < K ? (pf_rows + np - 1) / np : K) : 0; k < kp; k++) {
+        for (int64_t r = np * k; r < np * k + np && r < pf_rows; r++) W_PF(r)
         STEP(k)
     }
     for (; k < K; k++) STEP(k)
@@ -190,22 +171,16 @@ tile_pair(const float *ap, const float *p0, const float *p1, int64_t K, float *c
     W_ROWS(W_STORE, 0) W_ROWS(W_STORE, 1) W_ROWS(W_STORE, 2) W_ROWS(W_STORE, 3)
 }
 #else
-/* One panel at a time: two 256 x 16 slices would fill a Zen 3's 32 KB L1, where one was measured. */
+/* One panel at a time: two 256 x 16 slices would fill a Zen 3's 32 KB L1, where one was measured;
+ * AVX2's 16 registers hold one tile's twelve accumulators, so a group is tiles side by side. */
 enum { PANEL_COLS = TILE_COLS, PANEL_GROUP = 1 };
 static inline __attribute__((always_inline)) void
-tile_panel(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate, const float *pf,
-           int64_t pf_rows, int64_t mr) {
-    tile6x16p(ap, b, K, c, ldc, accumulate, pf, pf_rows, mr);
-}
-
-/* AVX2 has 16 registers, all but four taken by one tile's accumulators: the pair is two tiles
- * (the GEMM does not group panels on AVX2; this keeps tile_pair defined for every build). */
-static inline __attribute__((always_inline)) void
-tile_pair(const float *ap, const float *p0, const float *p1, int64_t K, float *c, int64_t ldc, int accumulate,
-          const float *pf, int64_t pf_rows, int64_t mr) {
-    tile6x16p(ap, p0, K, c, ldc, accumulate, pf, pf_rows / 2, mr);
-    tile6x16p(ap, p1, K, c + PANEL_COLS, ldc, accumulate, pf ? pf + pf_rows / 2 * PANEL_COLS : 0,
-              pf_rows - pf_rows / 2, mr);
+tile_group(const float *ap, const float *p0, const float *p1, const int np, int64_t K, float *c, int64_t ldc,
+           int accumulate, const float *pf, int64_t pf_rows, int64_t mr) {
+    const float *panel[2] = {p0, p1};
+    for (int i = 0; i < np; i++)
+        tile6x16p(ap, panel[i], K, c + i * PANEL_COLS, ldc, accumulate,
+                  pf ? pf + pf_rows * i / np * PANEL_COLS : 0, pf_rows * (i + 1) / np - pf_rows * i / np, mr);
 }
 #endif
 

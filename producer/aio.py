@@ -67,7 +67,6 @@ class AsyncJob:
             except _RETRY:
                 resp = None
                 await asyncio.sleep(next(delays))
-            _check_cancelled()
             for entry_id, ev in events_in(resp):
                 last = entry_id
                 yield ev
