@@ -1,13 +1,13 @@
 /* The register tile under the CPU GEMM and prefill attention: c[r][0:16] (+)= sum over k < K of
- * a[r * lda + k] * b[k * ldb + 0:16], for r < mr <= 6.
+ * a[r * rs + k * ks] * b[k * 16 + 0:16], for r < mr <= 6 (tile6x16p; tile_group, below, puts one
+ * or two panels side by side).
  *
  * Twelve named AVX2 accumulators (6 rows x 2 vectors), one FMA chain per element over k in order,
  * so an element's value does not depend on mr or on the other rows. GCC kept an array of
  * accumulators on the stack, storing it on every k (~57 of ~200 GFLOP/s, measured); named
- * variables stay in registers. Rows past mr repeat row mr - 1 (L1 hits; not stored).
- * `accumulate`: start from c's values instead of zero. tile6x16p (packed A, below) is the GEMM's
- * variant; its `pf`, if not NULL, is prefetched at pf[k * 16] for k < pf_len (a slice of the next
- * panel). */
+ * variables stay in registers. All six rows of A are read (rows past mr are computed, not stored).
+ * `accumulate`: start from c's values instead of zero. `pf`, if not NULL, is prefetched at
+ * pf[k * 16] for k < pf_len (a slice of the next panel). */
 #ifndef GENPOOL_CPU_TILE_H
 #define GENPOOL_CPU_TILE_H
 #include <stdint.h>
@@ -54,37 +54,23 @@ tile_store(float *c, int64_t ldc, int64_t mr, const __m256 acc[TILE_ROWS][2]) {
         tile_store(cp, ldc, mr, all);                                              \
     }
 
+/* The tile with A element (i, k) at a[i * rs + k * ks] (all six rows readable; only mr are stored)
+ * and B a packed panel (ldb 16): the GEMM's hot loop (A packed six-interleaved: rs 1, ks 6) and
+ * prefill attention's (A row-major: rs = lda, ks 1). rs and ks are constants at every call: one
+ * pointer and constant offsets instead of six row pointers, and the prefetching iterations split
+ * off (the six-pointer version spent about as many instructions on addresses and loop control as
+ * on FMAs: ~55% of the FMA peak, vs ~80%). Unrolling by two ran out of registers (spills). */
 static inline __attribute__((always_inline)) void
-tile6x16(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t K, float *c, int64_t ldc,
-         int accumulate, const int mr) {
-    const float *a0 = a, *a1 = a + (mr > 1 ? 1 : 0) * lda, *a2 = a + (mr > 2 ? 2 : mr - 1) * lda,
-                *a3 = a + (mr > 3 ? 3 : mr - 1) * lda, *a4 = a + (mr > 4 ? 4 : mr - 1) * lda,
-                *a5 = a + (mr > 5 ? 5 : mr - 1) * lda;
-    TILE_ACC_INIT(c, ldc, mr, accumulate)
-    for (int64_t k = 0; k < K; k++) {
-        const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
-        TILE_FMA_ROW(0, a0 + k) TILE_FMA_ROW(1, a1 + k) TILE_FMA_ROW(2, a2 + k)
-        TILE_FMA_ROW(3, a3 + k) TILE_FMA_ROW(4, a4 + k) TILE_FMA_ROW(5, a5 + k)
-    }
-    TILE_ACC_STORE(c, ldc, mr)
-}
-
-/* tile6x16 with A packed as ap[k * 6 + i] (all six rows; only mr are loaded and stored) and B a
- * packed panel (ldb 16): the GEMM's hot loop. One pointer and constant offsets instead of six
- * strided row pointers, and the prefetching iterations split off: the strided version spent about
- * as many instructions on addresses and loop control as on FMAs (~55% of the FMA peak, vs ~80%).
- * Unrolling by two ran out of registers (spills), so it is not unrolled. */
-static inline __attribute__((always_inline)) void
-tile6x16p(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate, const float *pf,
-          int64_t pf_len, int64_t mr) {
+tile6x16p(const float *ap, const int64_t rs, const int64_t ks, const float *b, int64_t K, float *c, int64_t ldc,
+          int accumulate, const float *pf, int64_t pf_len, int64_t mr) {
     TILE_ACC_INIT(c, ldc, mr, accumulate)
 #define STEP(k)                                                                    \
     {                                                                              \
         const __m256 b0 = _mm256_loadu_ps(b + (k) * TILE_COLS);                    \
         const __m256 b1 = _mm256_loadu_ps(b + (k) * TILE_COLS + 8);                \
-        const float *a = ap + (k) * TILE_ROWS;                                     \
-        TILE_FMA_ROW(0, a + 0) TILE_FMA_ROW(1, a + 1) TILE_FMA_ROW(2, a + 2)       \
-        TILE_FMA_ROW(3, a + 3) TILE_FMA_ROW(4, a + 4) TILE_FMA_ROW(5, a + 5)       \
+        const float *a = ap + (k) * ks;                                            \
+        TILE_FMA_ROW(0, a) TILE_FMA_ROW(1, a + rs) TILE_FMA_ROW(2, a + 2 * rs)     \
+        TILE_FMA_ROW(3, a + 3 * rs) TILE_FMA_ROW(4, a + 4 * rs) TILE_FMA_ROW(5, a + 5 * rs) \
     }
     int64_t k = 0;
     const int64_t kp = pf ? (pf_len < K ? pf_len : K) : 0;
@@ -111,19 +97,14 @@ tile_portable(const float *a, int64_t rs, int64_t ks, const float *b, int64_t ld
     }
 }
 
-static inline void tile6x16(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t K, float *c,
-                            int64_t ldc, int accumulate, const int mr) {
-    tile_portable(a, lda, 1, b, ldb, K, c, ldc, accumulate, mr);
-}
-
-static inline void tile6x16p(const float *ap, const float *b, int64_t K, float *c, int64_t ldc, int accumulate,
-                             const float *pf, int64_t pf_len, int64_t mr) {
+static inline void tile6x16p(const float *ap, int64_t rs, int64_t ks, const float *b, int64_t K, float *c,
+                             int64_t ldc, int accumulate, const float *pf, int64_t pf_len, int64_t mr) {
     (void)pf, (void)pf_len;
-    tile_portable(ap, 1, TILE_ROWS, b, TILE_COLS, K, c, ldc, accumulate, mr);
+    tile_portable(ap, rs, ks, b, TILE_COLS, K, c, ldc, accumulate, mr);
 }
 #endif
 
-/* The GEMM's tile over packed operands: six packed rows (ap[k * 6 + i]) against `np` adjacent
+/* The tile over `np` packed panels: six rows of A (element (i, k) at ap[i * rs + k * ks]) against `np` adjacent
  * panels (b[k * PANEL_COLS + j] of each, np = 1 or PANEL_GROUP), whose columns land side by side in
  * c, as tile6x16p. `np` is a constant at every call, so each variant compiles without the branches.
  * On AVX-512 a panel is 32 columns, two zmm vectors per row: one panel gives the AVX2 tile's twelve
@@ -135,7 +116,7 @@ enum { PANEL_COLS = 32, PANEL_GROUP = 2 }; /* PANEL_GROUP: panels the GEMM hands
 #define W_INIT(i, v)                                                               \
     __m512 w##i##v = _mm512_setzero_ps();                                          \
     if (accumulate && mr > i && v / 2 < np) w##i##v = _mm512_loadu_ps(c + i * ldc + v * 16);
-#define W_FMA(i, v) w##i##v = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), b##v, w##i##v);
+#define W_FMA(i, v) w##i##v = _mm512_fmadd_ps(_mm512_set1_ps(a[i * rs]), b##v, w##i##v);
 #define W_STORE(i, v)                                                              \
     if (mr > i && v / 2 < np) _mm512_storeu_ps(c + i * ldc + v * 16, w##i##v);
 #define W_ROWS(M, v) M(0, v) M(1, v) M(2, v) M(3, v) M(4, v) M(5, v)
@@ -146,14 +127,14 @@ enum { PANEL_COLS = 32, PANEL_GROUP = 2 }; /* PANEL_GROUP: panels the GEMM hands
     }
 
 static inline __attribute__((always_inline)) void
-tile_group(const float *ap, const float *p0, const float *p1, const int np, int64_t K, float *c, int64_t ldc,
-           int accumulate, const float *pf, int64_t pf_rows, int64_t mr) {
+tile_group(const float *ap, const int64_t rs, const int64_t ks, const float *p0, const float *p1, const int np,
+           int64_t K, float *c, int64_t ldc, int accumulate, const float *pf, int64_t pf_rows, int64_t mr) {
     W_ROWS(W_INIT, 0) W_ROWS(W_INIT, 1) W_ROWS(W_INIT, 2) W_ROWS(W_INIT, 3)
 #define STEP(k)                                                                    \
     {                                                                              \
         const __m512 b0 = _mm512_loadu_ps(p0 + (k) * PANEL_COLS);                  \
         const __m512 b1 = _mm512_loadu_ps(p0 + (k) * PANEL_COLS + 16);             \
-        const float *a = ap + (k) * TILE_ROWS;                                     \
+        const float *a = ap + (k) * ks;                                            \
         W_ROWS(W_FMA, 0) W_ROWS(W_FMA, 1)                                          \
         if (np == 2) {                                                             \
             const __m512 b2 = _mm512_loadu_ps(p1 + (k) * PANEL_COLS);              \
@@ -175,30 +156,13 @@ tile_group(const float *ap, const float *p0, const float *p1, const int np, int6
  * AVX2's 16 registers hold one tile's twelve accumulators, so a group is tiles side by side. */
 enum { PANEL_COLS = TILE_COLS, PANEL_GROUP = 1 };
 static inline __attribute__((always_inline)) void
-tile_group(const float *ap, const float *p0, const float *p1, const int np, int64_t K, float *c, int64_t ldc,
-           int accumulate, const float *pf, int64_t pf_rows, int64_t mr) {
+tile_group(const float *ap, const int64_t rs, const int64_t ks, const float *p0, const float *p1, const int np,
+           int64_t K, float *c, int64_t ldc, int accumulate, const float *pf, int64_t pf_rows, int64_t mr) {
     const float *panel[2] = {p0, p1};
     for (int i = 0; i < np; i++)
-        tile6x16p(ap, panel[i], K, c + i * PANEL_COLS, ldc, accumulate,
+        tile6x16p(ap, rs, ks, panel[i], K, c + i * PANEL_COLS, ldc, accumulate,
                   pf ? pf + pf_rows * i / np * PANEL_COLS : 0, pf_rows * (i + 1) / np - pf_rows * i / np, mr);
 }
 #endif
 
-/* tile6x16 over rows [0, m) in tiles of 6, the remainder with a smaller constant tile. */
-static inline __attribute__((always_inline)) void
-tiles(const float *a, int64_t lda, const float *b, int64_t ldb, int64_t K, float *c, int64_t ldc,
-      int accumulate, int64_t m) {
-    int64_t r = 0;
-    for (; r + TILE_ROWS <= m; r += TILE_ROWS)
-        tile6x16(a + r * lda, lda, b, ldb, K, c + r * ldc, ldc, accumulate, TILE_ROWS);
-    a += r * lda;
-    c += r * ldc;
-    switch (m - r) {
-    case 5: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 5); break;
-    case 4: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 4); break;
-    case 3: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 3); break;
-    case 2: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 2); break;
-    case 1: tile6x16(a, lda, b, ldb, K, c, ldc, accumulate, 1); break;
-    }
-}
 #endif
