@@ -75,9 +75,9 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
             const float *a = ap + (i * K + k0) * TILE_ROWS, *pf = next ? next + f0 * NR : 0;
             float *ci = c + i * TILE_ROWS * ldc;
             if (np == 2) /* constant np per call: each tile_group variant compiles branch-free */
-                tile_group(a, 1, TILE_ROWS, w0 + k0 * NR, w1 + k0 * NR, 2, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
+                tile_rows(a, 1, TILE_ROWS, w0 + k0 * NR, w1 + k0 * NR, 2, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
             else
-                tile_group(a, 1, TILE_ROWS, w0 + k0 * NR, 0, 1, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
+                tile_rows(a, 1, TILE_ROWS, w0 + k0 * NR, 0, 1, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
         }
     }
     for (int64_t r = r0; r < r1; r++) {

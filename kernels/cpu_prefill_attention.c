@@ -126,8 +126,8 @@ static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, in
         const int64_t mr = R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS;
         for (int64_t c = 0; c < n; c += GC) { /* columns past n: zero-padded or later keys, masked */
             const float *kt = w->kt + (c0 + c) / PC * D * PC;
-            tile_group(w->qr + i * TILE_ROWS * D, D, 1, kt, kt + D * PC, PANEL_GROUP, D,
-                       w->s + i * TILE_ROWS * KCH + c, KCH, 0, 0, 0, mr);
+            tile_rows(w->qr + i * TILE_ROWS * D, D, 1, kt, kt + D * PC, PANEL_GROUP, D,
+                      w->s + i * TILE_ROWS * KCH + c, KCH, 0, 0, 0, mr);
         }
     }
     softmax_chunk(j, w, R, first_pos, c0, n);
@@ -135,8 +135,8 @@ static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, in
         const int64_t mr = R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS;
         for (int64_t c = 0; c < j->dpad; c += GC) { /* n keys only: V past them may be unwritten */
             const float *vp = w->vp + (c / PC * j->lmax + c0) * PC;
-            tile_group(w->s + i * TILE_ROWS * KCH, KCH, 1, vp, vp + j->lmax * PC, PANEL_GROUP, n,
-                       w->o + i * TILE_ROWS * j->dpad + c, j->dpad, 1, 0, 0, mr);
+            tile_rows(w->s + i * TILE_ROWS * KCH, KCH, 1, vp, vp + j->lmax * PC, PANEL_GROUP, n,
+                      w->o + i * TILE_ROWS * j->dpad + c, j->dpad, 1, 0, 0, mr);
         }
     }
 }

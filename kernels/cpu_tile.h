@@ -5,7 +5,8 @@
  * Twelve named AVX2 accumulators (6 rows x 2 vectors), one FMA chain per element over k in order,
  * so an element's value does not depend on mr or on the other rows. GCC kept an array of
  * accumulators on the stack, storing it on every k (~57 of ~200 GFLOP/s, measured); named
- * variables stay in registers. All six rows of A are read (rows past mr are computed, not stored).
+ * variables stay in registers. Rows past mr are neither read nor computed where mr is a constant
+ * (tile_rows below makes it one), so a partial tile costs what its rows cost.
  * `accumulate`: start from c's values instead of zero. `pf`, if not NULL, is prefetched at
  * pf[k * 16] for k < pf_len (a slice of the next panel). */
 #ifndef GENPOOL_CPU_TILE_H
@@ -34,7 +35,7 @@ enum { TILE_ROWS = 6, TILE_COLS = 16 };
     }
 /* acc<i><0,1> += x_i * (b0, b1) with x_i broadcast from a_i. */
 #define TILE_FMA_ROW(i, a_i)                                                       \
-    {                                                                              \
+    if (mr > i) {                                                                  \
         const __m256 x = _mm256_broadcast_ss(a_i);                                 \
         acc##i##0 = _mm256_fmadd_ps(x, b0, acc##i##0);                             \
         acc##i##1 = _mm256_fmadd_ps(x, b1, acc##i##1);                             \
@@ -116,7 +117,8 @@ enum { PANEL_COLS = 32, PANEL_GROUP = 2 }; /* PANEL_GROUP: panels the GEMM hands
 #define W_INIT(i, v)                                                               \
     __m512 w##i##v = _mm512_setzero_ps();                                          \
     if (accumulate && mr > i && v / 2 < np) w##i##v = _mm512_loadu_ps(c + i * ldc + v * 16);
-#define W_FMA(i, v) w##i##v = _mm512_fmadd_ps(_mm512_set1_ps(a[i * rs]), b##v, w##i##v);
+#define W_FMA(i, v) \
+    if (mr > i) w##i##v = _mm512_fmadd_ps(_mm512_set1_ps(a[i * rs]), b##v, w##i##v);
 #define W_STORE(i, v)                                                              \
     if (mr > i && v / 2 < np) _mm512_storeu_ps(c + i * ldc + v * 16, w##i##v);
 #define W_ROWS(M, v) M(0, v) M(1, v) M(2, v) M(3, v) M(4, v) M(5, v)
@@ -165,4 +167,20 @@ tile_group(const float *ap, const int64_t rs, const int64_t ks, const float *p0,
 }
 #endif
 
+/* tile_group with mr made a compile-time constant in each case, so that a partial tile skips the
+ * FMAs of the rows it lacks: a 20-row decode step computes 20 rows, not 4 x 6 = 24. */
+static inline __attribute__((always_inline)) void
+tile_rows(const float *ap, const int64_t rs, const int64_t ks, const float *p0, const float *p1, const int np,
+          int64_t K, float *c, int64_t ldc, int accumulate, const float *pf, int64_t pf_rows, int64_t mr) {
+#define TILE_ROWS_CASE(m) tile_group(ap, rs, ks, p0, p1, np, K, c, ldc, accumulate, pf, pf_rows, m)
+    switch (mr) {
+    case 1: TILE_ROWS_CASE(1); break;
+    case 2: TILE_ROWS_CASE(2); break;
+    case 3: TILE_ROWS_CASE(3); break;
+    case 4: TILE_ROWS_CASE(4); break;
+    case 5: TILE_ROWS_CASE(5); break;
+    default: TILE_ROWS_CASE(6); break;
+    }
+#undef TILE_ROWS_CASE
+}
 #endif
