@@ -65,10 +65,12 @@ class ModelRunner:
 
     def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, SimpleNamespace, list[int]]:
         """scheduled: [(seq, num_new)] -> input ids [T], positions [T], attention meta, and the
-        flat row of each sequence's last token (for sequences whose step ends its known tokens)."""
+        flat row of each sequence's last token (for sequences whose step ends its known tokens).
+        meta.keep: the last layer's attention meta for those rows alone (one query each), or None
+        when every row is one of them (see LlamaForCausalLM.forward)."""
         bs = self.block_size
-        ids, pos, slots, qsl, lens, tables, logit_rows = [], [], [], [0], [], [], []
-        for seq, n in scheduled:
+        ids, pos, slots, qsl, lens, tables, logit_rows, logit_seqs = [], [], [], [0], [], [], [], []
+        for i, (seq, n) in enumerate(scheduled):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
@@ -79,6 +81,7 @@ class ModelRunner:
             tables.append(table)
             if end == seq.num_tokens:
                 logit_rows.append(qsl[-1] - 1)
+                logit_seqs.append(i)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -88,7 +91,14 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             rope=self.rope,
+            keep=None,
         )
+        if 0 < len(logit_rows) < len(ids):
+            sel = torch.tensor(logit_seqs, device=dev)
+            meta.keep = SimpleNamespace(
+                rows=torch.tensor(logit_rows, device=dev), block_tables=meta.block_tables.index_select(0, sel),
+                query_start_loc=torch.arange(len(logit_rows) + 1, dtype=torch.int32, device=dev),
+                seq_lens=meta.seq_lens.index_select(0, sel))
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta, logit_rows)
 
@@ -100,5 +110,6 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kern)
         if not logit_rows:
             return torch.empty(0, self.args.vocab_size)
-        rows = torch.tensor(logit_rows, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows), self.kern).cpu()
+        if meta.keep is None:  # else the model returned those rows alone
+            hidden = hidden.index_select(0, torch.tensor(logit_rows, device=self.device))
+        return self.model.compute_logits(hidden, self.kern).cpu()

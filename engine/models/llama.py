@@ -126,15 +126,17 @@ class Attention(nn.Module):
             if names[0] in state:
                 state[f"{prefix}qkv.{kind}"] = torch.cat([state.pop(n) for n in names])
 
-    def forward(self, x, positions, kv, meta, kern):
-        # x: [T, H] -> qkv: [T, (nh + 2 nkv) * hd]
+    def forward(self, x, positions, kv, meta, kern, keep=None):
+        # x: [T, H] -> qkv: [T, (nh + 2 nkv) * hd] -> [T, H], or [R, H] for the R rows of `keep`
         q, k, v = self.qkv(x, kern).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q, k = kern.rotary(q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), positions, meta.rope)
         v = v.view(-1, self.nkv, self.hd)
         k_cache, v_cache = kv
-        kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # every row's K/V: later steps read them
+        if keep is not None:  # only these rows' outputs are wanted: one query each
+            q, meta = q.index_select(0, keep.rows), keep
         o = kern.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                 meta.seq_lens, self.scale)  # [T, nh, hd]
+                                 meta.seq_lens, self.scale)  # [T or R, nh, hd]
         return self.o_proj(o.reshape(-1, self.nh * self.hd), kern)
 
 
@@ -173,9 +175,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, residual, positions, kv, meta, kern):
+    def forward(self, x, residual, positions, kv, meta, kern, keep=None):
         h, residual = self.input_layernorm(x, residual, kern)
-        h = self.self_attn(h, positions, kv, meta, kern)
+        h = self.self_attn(h, positions, kv, meta, kern, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep.rows)
         h, residual = self.post_attention_layernorm(h, residual, kern)
         return self.mlp(h, kern), residual
 
@@ -196,11 +200,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size)
 
     def forward(self, input_ids, positions, kv_caches, meta, kern):
-        # input_ids, positions: [T] -> hidden [T, H] (final-normed)
+        # input_ids, positions: [T] -> hidden [T, H] (final-normed); [R, H] when meta.keep names
+        # R rows: the last layer's attention, o_proj and MLP then run on those rows alone (a
+        # prompt's other rows only need that layer's K/V; ~3% of a prefill step's GEMM work)
         x = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv, meta, kern)
+        residual, keep, last = None, getattr(meta, "keep", None), len(self.model.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            x, residual = layer(x, residual, positions, kv, meta, kern, keep if i == last else None)
         x, _ = self.model.norm(x, residual, kern)
         return x
 
