@@ -2,9 +2,9 @@
 
 - paged attention: decode rows go to kernels/cpu_decode_attention.c, which reads K/V in place
   from the paged cache instead of gathering padded copies; fp32 prefill chunks go to
-  kernels/cpu_prefill_attention.c (also in place, on the GEMM's register tile; 1.2-2.5x torch's
-  flash SDPA for prompts of 64-350 tokens here, about even at 700, slower at 2048), other dtypes
-  keep the reference's SDPA;
+  kernels/cpu_prefill_attention.c (K/V packed once per sequence and kv head, both products on the
+  GEMM's register tiles; 1.5-2.1x torch's flash SDPA for prompts of 64-2048 tokens on a Zen 4),
+  other dtypes keep the reference's SDPA;
 - rotary: kernels/cpu_rotary.c, one pass instead of ~14 torch ops (bit-identical);
 - silu_and_mul: kernels/cpu_silu_mul.c, one pass over the fused gate_up output instead of two
   over its strided halves;
@@ -49,8 +49,10 @@ def use_tile_kernels() -> bool:
 
 def bf16_matmul_hardware() -> bool:
     """Whether the CPU multiplies bf16 natively (AMX or AVX512-BF16): torch's bf16 GEMM then beats
-    our fp32 one (measured on an AMX Xeon: 2.5 TFLOP/s at 2048 x 576 x 3072, 540 GFLOP/s at 48
-    rows, against ~290 / ~200 in fp32); without it, torch's bf16 GEMM ran at ~1 GFLOP/s (AVX2 EPYC)."""
+    our fp32 one on prompt-sized products (AMX Xeon: 2.5 TFLOP/s at 2048 x 576 x 3072, 540 GFLOP/s
+    at 48 rows, against ~290 / ~200 in fp32; AVX512-BF16 without AMX, Zen 4: 363 against 198 at 2048
+    rows, 185 / 155 at 48, even at 20, but 0.5-0.8x ours at 1-8 rows); without it, torch's bf16 GEMM
+    ran at ~1 GFLOP/s (AVX2 EPYC)."""
     return cpu_build.cpu_has("amx_bf16") or cpu_build.cpu_has("avx512_bf16")
 
 
