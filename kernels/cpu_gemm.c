@@ -40,17 +40,25 @@ typedef struct {
     int64_t m, k, n, ldx, ldy, mc, kc;
 } gemm_t;
 
-/* Rows [r0, r1) of x as tiles of six interleaved rows: ap[tile][k][6], rows past r1 zero. */
+/* The m rows of a block go in ceil(m / 6) tiles of nearly equal height (tile t: rows
+ * [tile_start(t), tile_start(t + 1))): 20 rows as 5 + 5 + 5 + 5, not 6 + 6 + 6 + 2, whose last
+ * tile does a third of the work at a much lower rate (its B loads are shared by two rows). */
+static inline int64_t tile_count(int64_t m) { return (m + TILE_ROWS - 1) / TILE_ROWS; }
+static inline int64_t tile_start(int64_t m, int64_t t) { return m * t / tile_count(m); }
+
+/* Rows [r0, r1) of x as tiles of up to six interleaved rows: ap[tile][k][6], unused lanes zero. */
 static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
-    const int64_t K = g->k;
-    for (int64_t r = r0; r < r1; r += TILE_ROWS, ap += K * TILE_ROWS)
+    const int64_t K = g->k, m = r1 - r0;
+    for (int64_t t = 0; t < tile_count(m); t++, ap += K * TILE_ROWS) {
+        const int64_t a = tile_start(m, t), mr = tile_start(m, t + 1) - a;
         for (int64_t i = 0; i < TILE_ROWS; i++) {
-            const float *x = g->x + (r + i) * g->ldx;
-            if (r + i < r1)
+            const float *x = g->x + (r0 + a + i) * g->ldx;
+            if (i < mr)
                 for (int64_t k = 0; k < K; k++) ap[k * TILE_ROWS + i] = x[k];
             else
                 for (int64_t k = 0; k < K; k++) ap[k * TILE_ROWS + i] = 0.f;
         }
+    }
 }
 
 /* Rows [r0, r1) (packed in ap) x panels [p, p + np) (np = 1, or 2 on AVX-512) into y (+ bias).
@@ -62,7 +70,7 @@ static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
 static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64_t r1, const float *ap,
                        float *part, const float *next, int64_t next_rows) {
     const int64_t K = g->k, col = p * NR, cols = g->n - col < np * NR ? g->n - col : np * NR;
-    const int64_t nt = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS, nk = (K + g->kc - 1) / g->kc, kc = (K + nk - 1) / nk;
+    const int64_t m = r1 - r0, nt = tile_count(m), nk = (K + g->kc - 1) / g->kc, kc = (K + nk - 1) / nk;
     const int direct = cols == np * NR;
     float *c = direct ? g->y + r0 * g->ldy + col : part;
     const int64_t ldc = direct ? g->ldy : np * NR;
@@ -70,10 +78,10 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
     for (int64_t ks = 0, step = 0; ks < nk; ks++) {
         const int64_t k0 = ks * kc, k1 = k0 + kc < K ? k0 + kc : K;
         for (int64_t i = 0; i < nt; i++, step++) {
-            const int64_t mr = r1 - r0 - i * TILE_ROWS < TILE_ROWS ? r1 - r0 - i * TILE_ROWS : TILE_ROWS;
+            const int64_t mr = tile_start(m, i + 1) - tile_start(m, i);
             const int64_t f0 = next_rows * step / (nt * nk), f1 = next_rows * (step + 1) / (nt * nk);
             const float *a = ap + (i * K + k0) * TILE_ROWS, *pf = next ? next + f0 * NR : 0;
-            float *ci = c + i * TILE_ROWS * ldc;
+            float *ci = c + tile_start(m, i) * ldc;
             if (np == 2) /* constant np per call: each tile_group variant compiles branch-free */
                 tile_rows(a, 1, TILE_ROWS, w0 + k0 * NR, w1 + k0 * NR, 2, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
             else
