@@ -82,8 +82,40 @@ static void copy_q(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
     }
 }
 
-/* Sum of s[0, n) in an order fixed by n alone (16 lanes, then the lanes in order). */
-static float row_sum(const float *s, int64_t n) {
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* s[t] = exp(s[t] - mx) for t < n, in place; returns their sum, in an order fixed by n alone (16
+ * lanes, a masked tail, then the lanes). One pass instead of the generic path's four; the same
+ * Cephes polynomial as vexpf_inplace (cpu_common.h), with 2^k applied by scalef. */
+static float exp_shift_sum(float *s, int64_t n, float mx) {
+    const __m512 m = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.37f);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(x, m), lo), hi);
+        const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(y, _mm512_set1_ps(1.44269504088896341f),
+                                                              _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
+                                         _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), y));
+        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        const __m512 e = _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f)), k);
+        _mm512_mask_storeu_ps(s + t, live, e);
+        acc = _mm512_mask_add_ps(acc, live, acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+/* Generic: shift, exp, then the sum in an order fixed by n alone (16 lanes, then the lanes). */
+static float exp_shift_sum(float *s, int64_t n, float mx) {
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) s[t] -= mx;
+    vexpf_inplace(s, n);
     float acc[16] = {0};
     int64_t t = 0;
     for (; t + 16 <= n; t += 16)
@@ -94,6 +126,7 @@ static float row_sum(const float *s, int64_t n) {
     for (int i = 0; i < 16; i++) z += acc[i];
     return z;
 }
+#endif
 
 /* Fold the chunk's scores (keys c0 .. c0 + n - 1, row r sees up to position first_pos + r / G)
  * into the running softmax: S becomes P (exp, masked entries exactly 0), O's rows are rescaled. */
@@ -109,10 +142,7 @@ static void softmax_chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first
             for (int64_t t = 0; t < vis; t++) mx = s[t] > mx ? s[t] : mx;
             const float corr = expf(w->m[r] - mx); /* 0 on the first chunk (m = -inf) */
             w->m[r] = mx;
-#pragma omp simd
-            for (int64_t t = 0; t < vis; t++) s[t] -= mx;
-            vexpf_inplace(s, vis);
-            w->l[r] = w->l[r] * corr + row_sum(s, vis);
+            w->l[r] = w->l[r] * corr + exp_shift_sum(s, vis, mx);
             if (corr != 1.f)
                 for (int64_t c = 0; c < j->dpad; c++) w->o[r * j->dpad + c] *= corr;
         }
