@@ -65,7 +65,9 @@ static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
             vr = j->v + blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         }
         for (int64_t c = 0; c < D; c++) kt[c * PC] = kr ? kr[c] : 0.f;
-        for (int64_t c = 0; c < j->dpad; c++) vp[(c / PC) * j->lmax * PC + c % PC] = vr && c < D ? vr[c] : 0.f;
+        for (int64_t c0 = 0; c0 < j->dpad; c0 += PC, vp += j->lmax * PC) /* one panel's PC columns */
+#pragma omp simd
+            for (int64_t c = 0; c < PC; c++) vp[c] = vr && c0 + c < D ? vr[c0 + c] : 0.f;
     }
     if (upto > w->done) w->done = upto;
     return 0;
