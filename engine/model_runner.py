@@ -66,8 +66,9 @@ class ModelRunner:
     def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, SimpleNamespace, list[int]]:
         """scheduled: [(seq, num_new)] -> input ids [T], positions [T], attention meta, and the
         flat row of each sequence's last token (for sequences whose step ends its known tokens).
-        meta.keep: the last layer's attention meta for those rows alone (one query each), or None
-        when every row is one of them (see LlamaForCausalLM.forward)."""
+        meta.keep: the last layer's attention meta for those rows alone (one query each; no rows
+        when no sequence samples this step), or None when every row is one of them (see
+        LlamaForCausalLM.forward)."""
         bs = self.block_size
         ids, pos, slots, qsl, lens, tables, logit_rows, logit_seqs = [], [], [], [0], [], [], [], []
         for i, (seq, n) in enumerate(scheduled):
@@ -93,10 +94,10 @@ class ModelRunner:
             rope=self.rope,
             keep=None,
         )
-        if 0 < len(logit_rows) < len(ids):
-            sel = torch.tensor(logit_seqs, device=dev)
+        if len(logit_rows) < len(ids):
+            sel = torch.tensor(logit_seqs, dtype=torch.long, device=dev)
             meta.keep = SimpleNamespace(
-                rows=torch.tensor(logit_rows, device=dev), block_tables=meta.block_tables.index_select(0, sel),
+                rows=torch.tensor(logit_rows, dtype=torch.long, device=dev), block_tables=meta.block_tables.index_select(0, sel),
                 query_start_loc=torch.arange(len(logit_rows) + 1, dtype=torch.int32, device=dev),
                 seq_lens=meta.seq_lens.index_select(0, sel))
         return (torch.tensor(ids, dtype=torch.long, device=dev),
@@ -108,8 +109,10 @@ class ModelRunner:
         self.copy_blocks(copies)
         input_ids, positions, meta, logit_rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kern)
+        if meta.keep is None:
+            hidden = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+        if hidden.shape[0] != len(logit_rows):  # a model that ignored meta.keep: never pair wrong rows
+            raise RuntimeError(f"model returned {hidden.shape[0]} rows for {len(logit_rows)} sampled ones")
         if not logit_rows:
             return torch.empty(0, self.args.vocab_size)
-        if meta.keep is None:  # else the model returned those rows alone
-            hidden = hidden.index_select(0, torch.tensor(logit_rows, device=self.device))
         return self.model.compute_logits(hidden, self.kern).cpu()

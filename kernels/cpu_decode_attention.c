@@ -46,6 +46,19 @@ static inline pf_t block_pf(const job_t *j, int is_v, int64_t blk) {
     return (pf_t){(const char *)j->k + blk * j->k_sb * es, j->k_span};
 }
 
+/* The block `idx` places along the read order of a row with nb blocks: its K blocks, its V
+ * blocks, then the next row's K blocks (next_row < 0: none; its length is checked only when it is
+ * attended, so its block count is clamped to the table's width here). */
+static inline pf_t block_at(const job_t *j, const int32_t *tab, int64_t nb, int64_t next_row, int64_t idx) {
+    if (idx < nb) return block_pf(j, 0, tab[idx]);
+    if (idx < 2 * nb) return block_pf(j, 1, tab[idx - nb]);
+    if (next_row < 0) return (pf_t){0, 0};
+    int64_t next_nb = (j->lens[next_row] + j->bs - 1) / j->bs;
+    next_nb = next_nb < 0 ? 0 : next_nb < j->width ? next_nb : j->width;
+    idx -= 2 * nb;
+    return idx < next_nb ? block_pf(j, 0, j->tables[next_row * j->width + idx]) : (pf_t){0, 0};
+}
+
 /* Slice `part` of `parts`: a block is fetched in equal slices, one per head's pass over the block
  * before, so that the requests are spread over that work instead of queueing all at once. */
 static inline void prefetch_slice(pf_t f, int64_t part, int64_t parts) {
@@ -165,20 +178,23 @@ dots(const float *q, const float *k, int64_t st, int64_t n, float *s, const int6
 /* Scores of every query head of one row against every cached token: s[head * len + t].
  * Inlined with D a compile-time constant for the common head sizes (see DISPATCH_D). */
 static inline __attribute__((always_inline)) int
-row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp, const int64_t D) {
-    /* After the last K block comes this row's first V block. */
+row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp, int64_t next_row,
+             const int64_t D) {
     const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
     const int32_t *tab = j->tables + row * j->width;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
         if (blk < 0 || blk >= j->num_blocks) return -2;
-        const int64_t a = b + PF_AHEAD; /* past the last K block: this row's V blocks */
-        const pf_t next = a < nb ? block_pf(j, 0, tab[a]) : a - nb < nb ? block_pf(j, 1, tab[a - nb]) : (pf_t){0, 0};
+        /* PF_AHEAD along K, V, next row's K; at b = 0 also the block after this one, which no
+         * earlier step asked for when this row is a thread's first (or has one block) */
+        const pf_t next = block_at(j, tab, nb, next_row, b + PF_AHEAD);
+        const pf_t also = b == 0 ? block_at(j, tab, nb, next_row, 1) : (pf_t){0, 0};
         for (int64_t h = 0; h < j->hkv; h++) {
             int64_t st;
             const float *k = block_rows(j, j->k, blk * j->k_sb + h * j->k_sh, j->k_ss, n, D, tmp, &st);
             for (int64_t g = h * G; g < (h + 1) * G; g++) {
                 prefetch_slice(next, g, j->hq);
+                prefetch_slice(also, g, j->hq);
                 dots(qf + g * D, k, st, n, s + g * len + b * bs, D);
             }
         }
@@ -191,18 +207,12 @@ row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s
 static inline __attribute__((always_inline)) void
 row_values_d(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp, int64_t next_row,
              const int64_t D) {
-    /* After the last V block comes the first K block of this thread's next row, if any. */
     const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
     const int32_t *tab = j->tables + row * j->width;
     memset(acc, 0, sizeof(float) * j->hq * D);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
-        const int64_t a = b + PF_AHEAD; /* past the last V block: the next row's K blocks */
-        int64_t next_nb = next_row >= 0 ? (j->lens[next_row] + bs - 1) / bs : 0; /* checked later */
-        next_nb = next_nb < j->width ? next_nb : j->width;
-        const pf_t next = a < nb             ? block_pf(j, 1, tab[a])
-                          : a - nb < next_nb ? block_pf(j, 0, j->tables[next_row * j->width + a - nb])
-                                             : (pf_t){0, 0};
+        const pf_t next = block_at(j, tab, nb, next_row, nb + b + PF_AHEAD); /* past V: next row's K */
         for (int64_t h = 0; h < j->hkv; h++) {
             int64_t st;
             const float *v = block_rows(j, j->v, blk * j->v_sb + h * j->v_sh, j->v_ss, n, D, tmp, &st);
@@ -218,8 +228,9 @@ row_values_d(const job_t *j, int64_t row, int64_t len, const float *p, float *ac
 #define DISPATCH_D(fn, ...) \
     (j->d == 64 ? fn(__VA_ARGS__, 64) : j->d == 128 ? fn(__VA_ARGS__, 128) : fn(__VA_ARGS__, j->d))
 
-static int row_scores(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp) {
-    return DISPATCH_D(row_scores_d, j, row, len, qf, s, tmp);
+static int row_scores(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp,
+                      int64_t next_row) {
+    return DISPATCH_D(row_scores_d, j, row, len, qf, s, tmp, next_row);
 }
 
 static void row_values(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp,
@@ -235,7 +246,7 @@ static int attend(const job_t *j, int64_t row, int64_t next_row, float *qf, floa
         const float *qv = vec(j->q, (row * j->hq + g) * D, j->dtype, D, tmp);
         for (int64_t i = 0; i < D; i++) qf[g * D + i] = qv[i] * j->scale;
     }
-    int rc = row_scores(j, row, len, qf, s, tmp);
+    int rc = row_scores(j, row, len, qf, s, tmp, next_row);
     if (rc) return rc;
     float sum[j->hq];
     for (int64_t g = 0; g < j->hq; g++) {

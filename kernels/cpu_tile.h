@@ -55,12 +55,12 @@ tile_store(float *c, int64_t ldc, int64_t mr, const __m256 acc[TILE_ROWS][2]) {
         tile_store(cp, ldc, mr, all);                                              \
     }
 
-/* The tile with A element (i, k) at a[i * rs + k * ks] (all six rows readable; only mr are stored)
- * and B a packed panel (ldb 16): the GEMM's hot loop (A packed six-interleaved: rs 1, ks 6) and
- * prefill attention's (A row-major: rs = lda, ks 1). rs and ks are constants at every call: one
- * pointer and constant offsets instead of six row pointers, and the prefetching iterations split
- * off (the six-pointer version spent about as many instructions on addresses and loop control as
- * on FMAs: ~55% of the FMA peak, vs ~80%). Unrolling by two ran out of registers (spills). */
+/* The tile with A element (i, k) at a[i * rs + k * ks] (rows past mr neither read nor stored when
+ * mr is a constant) and B a packed panel (ldb 16): the GEMM's hot loop (A packed six-interleaved:
+ * rs 1, ks 6, constants) and prefill attention's (A row-major: rs = the row length, ks 1). One
+ * pointer and fixed or loop-invariant offsets instead of six row pointers, and the prefetching
+ * iterations split off (the six-pointer version spent about as many instructions on addresses and
+ * loop control as on FMAs: ~55% of the FMA peak, vs ~80%). Unrolling by two ran out of registers. */
 static inline __attribute__((always_inline)) void
 tile6x16p(const float *ap, const int64_t rs, const int64_t ks, const float *b, int64_t K, float *c, int64_t ldc,
           int accumulate, const float *pf, int64_t pf_len, int64_t mr) {

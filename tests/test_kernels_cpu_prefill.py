@@ -76,6 +76,21 @@ def test_rows_do_not_depend_on_the_batch_the_chunking_or_threads():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("cut", [511, 512, 513, 700])
+def test_prompts_longer_than_a_key_chunk_do_not_depend_on_the_chunking(cut):
+    """1100 keys span three 512-key chunks (the running softmax rescales between them): the prompt
+    attended whole equals the same prompt in two chunks cut around a chunk edge, bit for bit, and
+    the reference within fp32 tolerance."""
+    q, k, v, tables, _, _, _ = make([(1100, 1100)], 9, 3, 64, 16, gap=0)
+    whole, chunks, want = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables, [0], [1100], [1100], 0.125, whole)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables, [0], [cut], [cut], 0.125, chunks)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables, [cut], [1100 - cut], [1100], 0.125, chunks)
+    assert torch.equal(chunks, whole)
+    ref.prefill_rows(q, k, v, tables, [0], [1100], [1100], 0.125, want)
+    torch.testing.assert_close(whole, want, rtol=1e-4, atol=2e-5)
+
+
 def test_errors_and_fallbacks():
     q, k, v, tables, starts, qls, kvls = make([(20, 20)], 9, 3, 64, 16)
     out = torch.empty_like(q)

@@ -45,3 +45,19 @@ def test_a_pure_decode_step_is_not_pruned(tiny_llama_path):
     runner.execute([(_seq(list(range(3, 13)), 0, [0]), 10)], [])
     _, _, meta, rows = runner.prepare([(_seq(list(range(3, 14)), 10, [0]), 1)])
     assert rows == [0] and meta.keep is None
+
+
+def test_a_step_with_no_sampled_row_stops_after_the_last_kv_write(tiny_llama_path):
+    """A chunk that ends mid-prompt samples nothing: the last layer writes its K/V (later chunks
+    attend to them) and runs nothing after; the next chunk's logits match a whole-prompt run."""
+    cfg = EngineConfig(model=str(tiny_llama_path), num_kv_blocks=8)
+    runner = ModelRunner(cfg, tiny_llama_path, 256)
+    tokens = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows_seen = []
+    hook = runner.model.model.layers[-1].mlp.register_forward_pre_hook(lambda m, a: rows_seen.append(a[0].shape[0]))
+    first = runner.execute([(_seq(tokens, 0, [0, 1, 2]), 24)], [])  # positions 0-23: nothing sampled
+    hook.remove()
+    assert first.shape == (0, runner.args.vocab_size) and rows_seen == []
+    chunked = runner.execute([(_seq(tokens, 24, [0, 1, 2]), 16)], [])
+    whole = ModelRunner(cfg, tiny_llama_path, 256).execute([(_seq(tokens, 0, [0, 1, 2]), 40)], [])
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)

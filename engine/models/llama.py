@@ -134,6 +134,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv
         kern.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # every row's K/V: later steps read them
         if keep is not None:  # only these rows' outputs are wanted: one query each
+            if keep.rows.numel() == 0:  # none at all: this layer's K/V were all it owed
+                return x.new_empty(0, x.shape[1])
             q, meta = q.index_select(0, keep.rows), keep
         o = kern.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  meta.seq_lens, self.scale)  # [T or R, nh, hd]
@@ -179,6 +181,8 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual, kern)
         h = self.self_attn(h, positions, kv, meta, kern, keep)
         if keep is not None:
+            if h.shape[0] == 0:
+                return h, h
             residual = residual.index_select(0, keep.rows)
         h, residual = self.post_attention_layernorm(h, residual, kern)
         return self.mlp(h, kern), residual
@@ -207,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         residual, keep, last = None, getattr(meta, "keep", None), len(self.model.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, positions, kv, meta, kern, keep if i == last else None)
+        if x.shape[0] == 0:  # no row sampled this step (a prompt chunk ending mid-prompt)
+            return x
         x, _ = self.model.norm(x, residual, kern)
         return x
 
