@@ -52,12 +52,26 @@ static inline uint16_t f32_bf16(float f) {
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* quiet NaN */
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
 }
+/* Cephes' exp: clamp to [EXP_LO, EXP_HI] (underflow to ~1e-38, no inf), k = floor(x log2 e + 1/2),
+ * r = x - k ln 2 (in two parts), exp = poly(r) * 2^k; within 2 ulp of expf. Shared by the scalar-
+ * vectorised loop and the AVX-512 one below. */
+#define EXP_LO -87.3f
+#define EXP_HI 88.37f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 /* In-place exp over an array, in loops GCC vectorises (glibc's vector expf needs -ffast-math,
  * which would also license reorderings the exact kernels must not have; a scalar expf call per
- * element made SwiGLU 3x slower than torch). Cephes' polynomial: within 2 ulp of expf; inputs
- * are clamped to [-87.3, 88.37] (underflow to ~1e-38, no inf). The 2^n scale is built as integer
- * bits in one loop and read back as floats in the next (-fno-strict-aliasing). finite-math-only:
- * GCC vectorises fminf/fmaxf only when it may ignore NaN (inputs here are finite scores). */
+ * element made SwiGLU 3x slower than torch). The 2^n scale is built as integer bits in one loop
+ * and read back as floats in the next (-fno-strict-aliasing). finite-math-only: GCC vectorises
+ * fminf/fmaxf only when it may ignore NaN (inputs here are finite scores). */
 __attribute__((optimize("finite-math-only"))) static void vexpf_inplace(float *x, int64_t len) {
     enum { CHUNK = 256 };
     int32_t bits[CHUNK];
@@ -67,18 +81,18 @@ __attribute__((optimize("finite-math-only"))) static void vexpf_inplace(float *x
         float *v = x + c;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) {
-            const float y = fminf(fmaxf(v[i], -87.3f), 88.37f);
-            const float t = y * 1.44269504088896341f + 0.5f;
+            const float y = fminf(fmaxf(v[i], EXP_LO), EXP_HI);
+            const float t = y * EXP_LOG2E + 0.5f;
             int32_t ki = (int32_t)t; /* floor(t) without floorf, which GCC will not vectorise */
             ki -= (float)ki > t;
             const float k = (float)ki;
-            const float r = (y - k * 0.693359375f) + k * 2.12194440e-4f;
-            float p = 1.9875691500e-4f;
-            p = p * r + 1.3981999507e-3f;
-            p = p * r + 8.3334519073e-3f;
-            p = p * r + 4.1665795894e-2f;
-            p = p * r + 1.6666665459e-1f;
-            p = p * r + 5.0000001201e-1f;
+            const float r = (y - k * EXP_LN2_HI) + k * EXP_LN2_LO;
+            float p = EXP_P0;
+            p = p * r + EXP_P1;
+            p = p * r + EXP_P2;
+            p = p * r + EXP_P3;
+            p = p * r + EXP_P4;
+            p = p * r + EXP_P5;
             v[i] = p * r * r + r + 1.0f;
             bits[i] = (ki + 127) << 23;
         }
@@ -86,4 +100,22 @@ __attribute__((optimize("finite-math-only"))) static void vexpf_inplace(float *x
         for (int64_t i = 0; i < n; i++) v[i] *= scale[i];
     }
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same exp on sixteen lanes, 2^k applied by scalef. */
+static inline __m512 exp512_ps(__m512 x) {
+    const __m512 y = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+    const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(y, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(EXP_LN2_LO), _mm512_fnmadd_ps(k, _mm512_set1_ps(EXP_LN2_HI), y));
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
+    return _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f)), k);
+}
+#endif
 #endif

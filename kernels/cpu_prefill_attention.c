@@ -49,6 +49,7 @@ typedef struct {
 } scratch_t;
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+static inline int64_t tile_height(int64_t R, int64_t i) { return R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS; }
 
 /* Keys [w->done, upto) of (sq, h) into the K^T and V panels; keys past kv_len as zeros. */
 static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t upto) {
@@ -85,28 +86,14 @@ static void copy_q(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 /* s[t] = exp(s[t] - mx) for t < n, in place; returns their sum, in an order fixed by n alone (16
- * lanes, a masked tail, then the lanes). One pass instead of the generic path's four; the same
- * Cephes polynomial as vexpf_inplace (cpu_common.h), with 2^k applied by scalef. */
+ * lanes, a masked tail, then the lanes). One pass instead of the generic path's four. */
 static float exp_shift_sum(float *s, int64_t n, float mx) {
-    const __m512 m = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.37f);
+    const __m512 m = _mm512_set1_ps(mx);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
-        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(x, m), lo), hi);
-        const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(y, _mm512_set1_ps(1.44269504088896341f),
-                                                              _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
-                                         _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), y));
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        const __m512 e = _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f)), k);
+        const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), m));
         _mm512_mask_storeu_ps(s + t, live, e);
         acc = _mm512_mask_add_ps(acc, live, acc, e);
     }
@@ -157,7 +144,7 @@ static void softmax_chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first
 static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t c0, int64_t n) {
     const int64_t D = j->d, PC = PANEL_COLS, tiles = (R + TILE_ROWS - 1) / TILE_ROWS;
     for (int64_t i = 0; i < tiles; i++) {
-        const int64_t mr = R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS;
+        const int64_t mr = tile_height(R, i);
         for (int64_t c = 0; c < n; c += GC) { /* columns past n: zero-padded or later keys, masked */
             const float *kt = w->kt + (c0 + c) / PC * D * PC;
             tile_rows(w->qr + i * TILE_ROWS * D, D, 1, kt, kt + D * PC, PANEL_GROUP, D,
@@ -166,7 +153,7 @@ static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, in
     }
     softmax_chunk(j, w, R, first_pos, c0, n);
     for (int64_t i = 0; i < tiles; i++) {
-        const int64_t mr = R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS;
+        const int64_t mr = tile_height(R, i);
         for (int64_t c = 0; c < j->dpad; c += GC) { /* n keys only: V past them may be unwritten */
             const float *vp = w->vp + (c / PC * j->lmax + c0) * PC;
             tile_rows(w->s + i * TILE_ROWS * KCH, KCH, 1, vp, vp + j->lmax * PC, PANEL_GROUP, n,

@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         # R rows: the last layer's attention, o_proj and MLP then run on those rows alone (a
         # prompt's other rows only need that layer's K/V; ~3% of a prefill step's GEMM work)
         x = self.model.embed_tokens(input_ids)
-        residual, keep, last = None, getattr(meta, "keep", None), len(self.model.layers) - 1
+        residual, keep, last = None, meta.keep, len(self.model.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, positions, kv, meta, kern, keep if i == last else None)
         if x.shape[0] == 0:  # no row sampled this step (a prompt chunk ending mid-prompt)
