@@ -101,8 +101,25 @@ __attribute__((optimize("finite-math-only"))) static void vexpf_inplace(float *x
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+/* The same exp on eight lanes, 2^k built as exponent bits (k lies in [-126, 127] after the clamp). */
+static inline __m256 exp256_ps(__m256 x) {
+    const __m256 y = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(y, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(EXP_LN2_LO), _mm256_fnmadd_ps(k, _mm256_set1_ps(EXP_LN2_HI), y));
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    const __m256 two_k = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f)), two_k);
+}
+#endif
+
+#if defined(__AVX512F__)
 /* The same exp on sixteen lanes, 2^k applied by scalef. */
 static inline __m512 exp512_ps(__m512 x) {
     const __m512 y = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));

@@ -99,6 +99,29 @@ static float exp_shift_sum(float *s, int64_t n, float mx) {
     }
     return _mm512_reduce_add_ps(acc);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same on eight lanes: a masked tail, then the lanes summed in a fixed order. One pass instead
+ * of the generic path's four (the softmax was ~25% of a single-thread call on a Zen 3). */
+static float exp_shift_sum(float *s, int64_t n, float mx) {
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (t < n) {
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 e = _mm256_and_ps(exp256_ps(_mm256_sub_ps(_mm256_maskload_ps(s + t, live), m)), _mm256_castsi256_ps(live));
+        _mm256_maskstore_ps(s + t, live, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lane[8], z = 0.f;
+    _mm256_storeu_ps(lane, acc);
+    for (int i = 0; i < 8; i++) z += lane[i];
+    return z;
+}
 #else
 /* Generic: shift, exp, then the sum in an order fixed by n alone (16 lanes, then the lanes). */
 static float exp_shift_sum(float *s, int64_t n, float mx) {
