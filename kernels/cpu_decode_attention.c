@@ -250,15 +250,10 @@ static int attend(const job_t *j, int64_t row, int64_t next_row, float *qf, floa
     if (rc) return rc;
     float sum[j->hq];
     for (int64_t g = 0; g < j->hq; g++) {
-        float *sg = s + g * len, m = sg[0], z = 0.f;
+        float *sg = s + g * len, m = sg[0];
 #pragma omp simd reduction(max : m)
         for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) sg[t] -= m;
-        vexpf_inplace(sg, len);
-#pragma omp simd reduction(+ : z)
-        for (int64_t t = 0; t < len; t++) z += sg[t];
-        sum[g] = z;
+        sum[g] = exp_shift_sum(sg, len, m);
     }
     row_values(j, row, len, s, acc, tmp, next_row);
     for (int64_t g = 0; g < j->hq; g++) {

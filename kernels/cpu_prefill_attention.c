@@ -85,61 +85,6 @@ static void copy_q(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
     }
 }
 
-#if defined(__AVX512F__)
-/* s[t] = exp(s[t] - mx) for t < n, in place; returns their sum, in an order fixed by n alone (16
- * lanes, a masked tail, then the lanes). One pass instead of the generic path's four. */
-static float exp_shift_sum(float *s, int64_t n, float mx) {
-    const __m512 m = _mm512_set1_ps(mx);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-        const __m512 e = exp512_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), m));
-        _mm512_mask_storeu_ps(s + t, live, e);
-        acc = _mm512_mask_add_ps(acc, live, acc, e);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-/* The same on eight lanes: a masked tail, then the lanes summed in a fixed order. One pass instead
- * of the generic path's four (the softmax was ~25% of a single-thread call on a Zen 3). */
-static float exp_shift_sum(float *s, int64_t n, float mx) {
-    const __m256 m = _mm256_set1_ps(mx);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
-        _mm256_storeu_ps(s + t, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    if (t < n) {
-        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 e = _mm256_and_ps(exp256_ps(_mm256_sub_ps(_mm256_maskload_ps(s + t, live), m)), _mm256_castsi256_ps(live));
-        _mm256_maskstore_ps(s + t, live, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    float lane[8], z = 0.f;
-    _mm256_storeu_ps(lane, acc);
-    for (int i = 0; i < 8; i++) z += lane[i];
-    return z;
-}
-#else
-/* Generic: shift, exp, then the sum in an order fixed by n alone (16 lanes, then the lanes). */
-static float exp_shift_sum(float *s, int64_t n, float mx) {
-#pragma omp simd
-    for (int64_t t = 0; t < n; t++) s[t] -= mx;
-    vexpf_inplace(s, n);
-    float acc[16] = {0};
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16)
-#pragma omp simd
-        for (int i = 0; i < 16; i++) acc[i] += s[t + i];
-    for (int i = 0; t + i < n; i++) acc[i] += s[t + i];
-    float z = 0.f;
-    for (int i = 0; i < 16; i++) z += acc[i];
-    return z;
-}
-#endif
-
 /* Fold the chunk's scores (keys c0 .. c0 + n - 1, row r sees up to position first_pos + r / G)
  * into the running softmax: S becomes P (exp, masked entries exactly 0), O's rows are rescaled. */
 static void softmax_chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t c0, int64_t n) {
