@@ -103,36 +103,38 @@ __attribute__((optimize("finite-math-only"))) static void vexpf_inplace(float *x
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+/* The same exp's reduced part on a vector of V (intrinsics prefix W: _mm256 / _mm512): with
+ * r = y - k ln 2 (in two parts), 1 + r + r^2 P(r); callers clamp y, round k and apply 2^k. */
+#define DEFINE_EXP_REDUCED(name, V, W)                                                     \
+    static inline V name(V y, V k) {                                                       \
+        const V r = W##_fmadd_ps(k, W##_set1_ps(EXP_LN2_LO), W##_fnmadd_ps(k, W##_set1_ps(EXP_LN2_HI), y)); \
+        V p = W##_set1_ps(EXP_P0);                                                         \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(EXP_P1));                                       \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(EXP_P2));                                       \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(EXP_P3));                                       \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(EXP_P4));                                       \
+        p = W##_fmadd_ps(p, r, W##_set1_ps(EXP_P5));                                       \
+        return W##_add_ps(W##_fmadd_ps(W##_mul_ps(p, r), r, r), W##_set1_ps(1.f));         \
+    }
+
+DEFINE_EXP_REDUCED(exp_reduced256, __m256, _mm256)
 /* The same exp on eight lanes, 2^k built as exponent bits (k lies in [-126, 127] after the clamp). */
 static inline __m256 exp256_ps(__m256 x) {
     const __m256 y = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
     const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(y, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(EXP_LN2_LO), _mm256_fnmadd_ps(k, _mm256_set1_ps(EXP_LN2_HI), y));
-    __m256 p = _mm256_set1_ps(EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
-    const __m256 two_k = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f)), two_k);
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(exp_reduced256(y, k), _mm256_castsi256_ps(bits));
 }
 #endif
 
 #if defined(__AVX512F__)
+DEFINE_EXP_REDUCED(exp_reduced512, __m512, _mm512)
 /* The same exp on sixteen lanes, 2^k applied by scalef. */
 static inline __m512 exp512_ps(__m512 x) {
     const __m512 y = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
     const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(y, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(EXP_LN2_LO), _mm512_fnmadd_ps(k, _mm512_set1_ps(EXP_LN2_HI), y));
-    __m512 p = _mm512_set1_ps(EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
-    return _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f)), k);
+    return _mm512_scalef_ps(exp_reduced512(y, k), k);
 }
 #endif
 

@@ -3,7 +3,8 @@
  * The torch reference gathers every sequence's blocks into a padded copy and then runs SDPA
  * over it, so the KV cache (at batch 48, fp32, about 2x the weights per step) crosses memory
  * three times. Here each row walks its block table block by block and reads each K and V
- * vector once, for all query heads of the vector's GQA group at the same time.
+ * vector from memory once for all query heads of the vector's GQA group (K from L1 for the
+ * group's later heads; V, on AVX2, into one register for up to three heads: axpys_heads).
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous, fp32 or bf16
  * (dtype 0 / 1); q and out: [rows, num_heads, head_dim] contiguous, same dtype. Scores,
