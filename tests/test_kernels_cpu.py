@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no
     (5, 4, 4, 32, 8, [3, 9, 40, 8, 1]),           # no GQA, other head and block sizes
     (4, 8, 2, 128, 16, [130, 7, 64, 33]),         # head_dim 128 (the other specialised size)
     (2, 6, 3, 48, 4, [11, 5]),                    # a head size with no specialisation
+    (3, 4, 2, 64, 16, [33, 100, 16]),             # GQA groups of 2 (P V two heads at once)
+    (2, 10, 2, 64, 16, [40, 70]),                 # groups of 5: three heads at once, then two
     (40, 9, 3, 64, 16, list(range(20, 820, 20))), # enough work to use every thread
 ])
 def test_decode_attention_matches_reference_fp32(rows, hq, hkv, d, bs, lens):
