@@ -339,8 +339,8 @@ int paged_decode_attention(const void *q, const void *k, const void *v, void *ou
     const int64_t esize = dtype == 0 ? 4 : 2;
     j.k_lines = (((bs - 1) * j.k_ss + (hkv - 1) * j.k_sh + d) * esize + 63) / 64;
     j.v_lines = (((bs - 1) * j.v_ss + (hkv - 1) * j.v_sh + d) * esize + 63) / 64;
-    j.k_per = (j.k_lines + hq - 1) / hq;
-    j.v_per = (j.v_lines + hq - 1) / hq;
+    j.k_per = hq > 0 ? (j.k_lines + hq - 1) / hq : 0; /* hq = 0: no head, nothing prefetched */
+    j.v_per = hq > 0 ? (j.v_lines + hq - 1) / hq : 0;
     int64_t total = 0;
     for (int64_t r = 0; r < nrows; r++) {
         total += lens[r];
