@@ -108,9 +108,9 @@ class ModelRunner:
         """One forward over the flattened batch -> fp32 logits [num_sampling_seqs, V] (on CPU)."""
         self.copy_blocks(copies)
         input_ids, positions, meta, logit_rows = self.prepare(scheduled)
+        # meta.keep None: every row is sampled (one per sequence, in order), so hidden's rows are
+        # already the logit rows; otherwise the model returned those rows alone
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kern)
-        if meta.keep is None:
-            hidden = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=self.device))
         if hidden.shape[0] != len(logit_rows):  # a model that ignored meta.keep: never pair wrong rows
             raise RuntimeError(f"model returned {hidden.shape[0]} rows for {len(logit_rows)} sampled ones")
         if not logit_rows:

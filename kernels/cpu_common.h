@@ -54,7 +54,7 @@ static inline uint16_t f32_bf16(float f) {
 }
 /* Cephes' exp: clamp to [EXP_LO, EXP_HI] (underflow to ~1e-38, no inf), k = floor(x log2 e + 1/2),
  * r = x - k ln 2 (in two parts), exp = poly(r) * 2^k; within 2 ulp of expf. Shared by the scalar-
- * vectorised loop and the AVX-512 one below. */
+ * vectorised loop and the AVX2 / AVX-512 ones below. */
 #define EXP_LO -87.3f
 #define EXP_HI 88.37f
 #define EXP_LOG2E 1.44269504088896341f

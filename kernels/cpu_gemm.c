@@ -43,7 +43,6 @@ typedef struct {
 /* The m rows of a block go in ceil(m / 6) tiles of nearly equal height (tile t: rows
  * [tile_start(t), tile_start(t + 1))): 20 rows as 5 + 5 + 5 + 5, not 6 + 6 + 6 + 2, whose last
  * tile does a third of the work at a much lower rate (its B loads are shared by two rows). */
-static inline int64_t tile_count(int64_t m) { return (m + TILE_ROWS - 1) / TILE_ROWS; }
 static inline int64_t tile_start(int64_t m, int64_t t) { return m * t / tile_count(m); }
 
 /* Rows [r0, r1) of x as tiles of up to six interleaved rows: ap[tile][k][6], unused lanes zero. */
@@ -148,7 +147,7 @@ int gemm_panel_width(void) { return NR; }
 
 int gemm_packed(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t k,
                 int64_t n, int64_t ldx, int64_t ldy, int nthreads) {
-    const int64_t np = (n + NR - 1) / NR, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t np = (n + NR - 1) / NR, tiles = tile_count(m);
     const int split_rows = tiles >= ROW_SPLIT_TILES * nthreads;
     gemm_t g = {x, wp, bias, y, m, k, n, ldx, ldy, row_block(k), split_rows ? KC_ROWS : KC};
     if (split_rows)

@@ -110,7 +110,7 @@ static void softmax_chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first
 
 /* One chunk: S = Q K^T for keys [c0, c0 + n), softmax, O += P V. */
 static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t c0, int64_t n) {
-    const int64_t D = j->d, PC = PANEL_COLS, tiles = (R + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t D = j->d, PC = PANEL_COLS, tiles = tile_count(R);
     for (int64_t i = 0; i < tiles; i++) {
         const int64_t mr = tile_height(R, i);
         for (int64_t c = 0; c < n; c += GC) { /* columns past n: zero-padded or later keys, masked */

@@ -15,6 +15,9 @@
 
 enum { TILE_ROWS = 6, TILE_COLS = 16 };
 
+/* Tiles that cover m rows. */
+static inline int64_t tile_count(int64_t m) { return (m + TILE_ROWS - 1) / TILE_ROWS; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
