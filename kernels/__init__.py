@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-KERNEL_NAMES = ("write_kv", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "pack_linear", "linear")
+KERNEL_NAMES = ("write_kv", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "gate_up_silu", "pack_linear",
+                "linear")
 
 
 def _torch_backend() -> SimpleNamespace:

@@ -7,7 +7,8 @@
   other dtypes keep the reference's SDPA;
 - rotary: kernels/cpu_rotary.c, one pass instead of ~14 torch ops (bit-identical);
 - silu_and_mul: kernels/cpu_silu_mul.c, one pass over the fused gate_up output instead of two
-  over its strided halves;
+  over its strided halves; gate_up_silu: fp32 SwiGLU as the GEMM's epilogue (cpu_gemm.gemm_swiglu,
+  same bits), so the [T, 2I] product never goes to memory; the two kernels apart otherwise;
 - linear: kernels/cpu_gemm.c, with each weight packed once into 16- or 32-column panels (MKL ran
   decode-sized products at a fraction of the CPU's speed and repacked the weight per call); bf16
   models too where the CPU has no bf16 matmul instructions, their weights widened to fp32 once
@@ -75,6 +76,12 @@ def _linear(x, w):
     return cpu_gemm.gemm(x, w)
 
 
+def _gate_up_silu(x, w):
+    if isinstance(w, cpu_gemm.PackedWeight) and x.dtype == torch.float32 and cpu_gemm.swiglu_fusable(w):
+        return cpu_gemm.gemm_swiglu(x, w)
+    return cpu_silu_mul.silu_and_mul(_linear(x, w))
+
+
 def build_backend() -> SimpleNamespace | None:
     kernels = (cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary, cpu_silu_mul,
                cpu_write_kv)
@@ -84,4 +91,5 @@ def build_backend() -> SimpleNamespace | None:
     attention = partial(ref.mixed_attention, decode_rows=cpu_decode_attention.decode_attention, prefill=prefill)
     return SimpleNamespace(name="cpu", write_kv=cpu_write_kv.write_kv, paged_attention=attention,
                            rms_norm=_rms_norm, rotary=cpu_rotary.rotary, silu_and_mul=cpu_silu_mul.silu_and_mul,
+                           gate_up_silu=_gate_up_silu,
                            pack_linear=_pack_linear, linear=_linear, linear_keeps_weight=False)

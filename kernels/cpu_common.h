@@ -101,6 +101,22 @@ __attribute__((optimize("finite-math-only"))) static void vexpf_inplace(float *x
     }
 }
 
+/* SwiGLU on fp32: o[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i], i < n. One definition
+ * for the stand-alone kernel (cpu_silu_mul.c) and the GEMM's fused epilogue (cpu_gemm.c), so both
+ * give the same bits. */
+static inline void silu_mul_f32(const float *g, const float *u, float *o, int64_t n) {
+    enum { CHUNK = 256 };
+    float e[CHUNK];
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        const int64_t m = n - c < CHUNK ? n - c : CHUNK;
+#pragma omp simd
+        for (int64_t i = 0; i < m; i++) e[i] = -g[c + i];
+        vexpf_inplace(e, m);
+#pragma omp simd
+        for (int64_t i = 0; i < m; i++) o[c + i] = g[c + i] / (1.f + e[i]) * u[c + i];
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* The same exp's reduced part on a vector of V (intrinsics prefix W: _mm256 / _mm512): with

@@ -38,6 +38,7 @@ typedef struct {
     const float *x, *wp, *bias;
     float *y;
     int64_t m, k, n, ldx, ldy, mc, kc;
+    int64_t glu; /* 0, or SwiGLU: n = I outputs, gate panel p pairs with up panel p + glu (= I / NR) */
 } gemm_t;
 
 /* The m rows of a block go in ceil(m / 6) tiles of nearly equal height (tile t: rows
@@ -65,28 +66,41 @@ static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
  * passes over it (whole 576-deep panels did not fit: ~90 GFLOP/s instead of ~150 on AVX2); the
  * partial sums wait in y itself (or in `part`, [mc + 6, 2 * NR], for columns past n), reloaded per
  * slice, so each element is still one FMA chain over k in order. While these panels are worked on,
- * `next_rows` rows of the following ones (`next`, NULL: none) are prefetched in equal slices. */
+ * `next_rows` rows of the following ones (`next`, NULL: none) are prefetched in equal slices.
+ * SwiGLU (g->glu): p is a gate panel, np 1; it and its up panel run as one pair into `part`, and
+ * each tile's rows become silu(gate) * up in y once their last slice is done, while still in L1:
+ * the [M, 2I] product never goes out to memory and back (the stand-alone kernel's two passes).
+ * Every gate / up element is the plain GEMM's FMA chain, so the result is its bits. */
 static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64_t r1, const float *ap,
                        float *part, const float *next, int64_t next_rows) {
     const int64_t K = g->k, col = p * NR, cols = g->n - col < np * NR ? g->n - col : np * NR;
     const int64_t m = r1 - r0, nt = tile_count(m), nk = (K + g->kc - 1) / g->kc, kc = (K + nk - 1) / nk;
-    const int direct = cols == np * NR;
+    const int direct = !g->glu && cols == np * NR;
     float *c = direct ? g->y + r0 * g->ldy + col : part;
-    const int64_t ldc = direct ? g->ldy : np * NR;
-    const float *w0 = g->wp + p * K * NR, *w1 = w0 + K * NR;
+    const int64_t ldc = direct ? g->ldy : 2 * NR;
+    const float *w0 = g->wp + p * K * NR, *w1 = w0 + (g->glu ? g->glu : 1) * K * NR;
     for (int64_t ks = 0, step = 0; ks < nk; ks++) {
         const int64_t k0 = ks * kc, k1 = k0 + kc < K ? k0 + kc : K;
         for (int64_t i = 0; i < nt; i++, step++) {
             const int64_t mr = tile_start(m, i + 1) - tile_start(m, i);
-            const int64_t f0 = next_rows * step / (nt * nk), f1 = next_rows * (step + 1) / (nt * nk);
-            const float *a = ap + (i * K + k0) * TILE_ROWS, *pf = next ? next + f0 * NR : 0;
+            int64_t f0 = next_rows * step / (nt * nk), f1 = next_rows * (step + 1) / (nt * nk);
+            const float *pf = next ? next + f0 * NR : 0;
+            if (g->glu && f0 >= K) /* the second half of a SwiGLU pair's prefetch: its up panel */
+                pf = next + (g->glu * K + f0 - K) * NR;
+            else if (g->glu && f1 > K)
+                f1 = K;
+            const float *a = ap + (i * K + k0) * TILE_ROWS;
             float *ci = c + tile_start(m, i) * ldc;
-            if (np == 2) /* constant np per call: each tile_group variant compiles branch-free */
+            if (np == 2 || g->glu) /* constant np per call: each tile_group variant compiles branch-free */
                 tile_rows(a, 1, TILE_ROWS, w0 + k0 * NR, w1 + k0 * NR, 2, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
             else
                 tile_rows(a, 1, TILE_ROWS, w0 + k0 * NR, 0, 1, k1 - k0, ci, ldc, ks > 0, pf, f1 - f0, mr);
+            if (g->glu && ks == nk - 1)
+                for (int64_t r = 0; r < mr; r++)
+                    silu_mul_f32(ci + r * ldc, ci + r * ldc + NR, g->y + (r0 + tile_start(m, i) + r) * g->ldy + col, NR);
         }
     }
+    if (g->glu) return;
     for (int64_t r = r0; r < r1; r++) {
         float *out = g->y + r * g->ldy + col;
         if (!direct) memcpy(out, part + (r - r0) * ldc, sizeof(float) * cols);
@@ -96,7 +110,7 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
 }
 
 /* Rows [m0, m1) x panels [p0, p1), one block of mc rows at a time (packed once per block), the
- * panels PANEL_GROUP at a time. */
+ * panels PANEL_GROUP at a time (SwiGLU: gate panels, one pair at a time). */
 static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
     const int64_t rows = (m1 - m0 < g->mc ? m1 - m0 : g->mc) + TILE_ROWS; /* a decode step: a few */
     float *ap = malloc(sizeof(float) * rows * (g->k + 2 * NR));
@@ -105,10 +119,13 @@ static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1
     for (int64_t r0 = m0; r0 < m1; r0 += g->mc) {
         const int64_t r1 = r0 + g->mc < m1 ? r0 + g->mc : m1;
         pack_rows(g, r0, r1, ap);
-        for (int64_t p = p0; p < p1; p += PANEL_GROUP) {
-            const int64_t np = p + 1 < p1 ? PANEL_GROUP : 1;
-            const int64_t after = p1 - p - np < PANEL_GROUP ? p1 - p - np : PANEL_GROUP;
-            group_rows(g, p, np, r0, r1, ap, part, after ? g->wp + (p + np) * g->k * NR : 0, after * g->k);
+        const int64_t group = g->glu ? 1 : PANEL_GROUP;
+        for (int64_t p = p0; p < p1; p += group) {
+            const int64_t np = p + 1 < p1 ? group : 1;
+            const int64_t after = p1 - p - np < group ? p1 - p - np : group;
+            /* SwiGLU prefetches the next gate panel, then its up panel (group_rows) */
+            const int64_t pf_rows = (g->glu ? 2 : after) * g->k;
+            group_rows(g, p, np, r0, r1, ap, part, after ? g->wp + (p + np) * g->k * NR : 0, after ? pf_rows : 0);
         }
     }
     free(ap);
@@ -128,7 +145,7 @@ static int by_panels(const void *arg, int64_t lo, int64_t hi) {
 static int by_rows(const void *arg, int64_t lo, int64_t hi) {
     const gemm_t *g = (const gemm_t *)arg;
     const int64_t m1 = hi * TILE_ROWS < g->m ? hi * TILE_ROWS : g->m;
-    return block(g, lo * TILE_ROWS, m1, 0, (g->n + NR - 1) / NR);
+    return block(g, lo * TILE_ROWS, m1, 0, g->glu ? g->glu : (g->n + NR - 1) / NR);
 }
 
 /* Rows per packed block, whole tiles: half the L2 cache's worth of x (sysconf; 512 KB if unknown). */
@@ -145,12 +162,29 @@ static int64_t row_block(int64_t k) {
 /* The panel width this build packs for (16 with AVX2, 32 with AVX-512). */
 int gemm_panel_width(void) { return NR; }
 
+static int run(gemm_t *g, int nthreads) {
+    const int64_t np = g->glu ? g->glu : (g->n + NR - 1) / NR, tiles = tile_count(g->m);
+    const int split_rows = tiles >= ROW_SPLIT_TILES * nthreads;
+    g->mc = row_block(g->k);
+    g->kc = split_rows ? KC_ROWS : KC;
+    const int64_t pair = g->glu ? 2 : 1; /* SwiGLU: each output column costs a gate and an up column */
+    if (split_rows)
+        return parallel_rows(by_rows, g, tiles, g->k * g->n * pair, nthreads);
+    return parallel_rows(by_panels, g, np, g->m * g->k * NR * pair, nthreads);
+}
+
 int gemm_packed(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t k,
                 int64_t n, int64_t ldx, int64_t ldy, int nthreads) {
-    const int64_t np = (n + NR - 1) / NR, tiles = tile_count(m);
-    const int split_rows = tiles >= ROW_SPLIT_TILES * nthreads;
-    gemm_t g = {x, wp, bias, y, m, k, n, ldx, ldy, row_block(k), split_rows ? KC_ROWS : KC};
-    if (split_rows)
-        return parallel_rows(by_rows, &g, tiles, k * n, nthreads);
-    return parallel_rows(by_panels, &g, np, m * k * NR, nthreads);
+    gemm_t g = {x, wp, bias, y, m, k, n, ldx, ldy, 0, 0, 0};
+    return run(&g, nthreads);
+}
+
+/* y[M, I] = silu(x @ gate) * (x @ up) for W = [gate | up] packed as one [K, 2I] weight (2I / NR
+ * panels): the MLP's gate_up product and SwiGLU in one pass. Needs I to be whole panels (-4
+ * otherwise: the caller runs the two steps apart). */
+int gemm_packed_swiglu(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t inter,
+                       int64_t ldx, int64_t ldy, int nthreads) {
+    if (inter < NR || inter % NR) return -4;
+    gemm_t g = {x, wp, 0, y, m, k, inter, ldx, ldy, 0, 0, inter / NR};
+    return run(&g, nthreads);
 }

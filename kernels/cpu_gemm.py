@@ -1,7 +1,9 @@
 """Launcher for kernels/cpu_gemm.c: fp32 x @ W with W packed once into column panels
-(16 columns wide on AVX2, 32 on AVX-512: panel_width()).
+(16 columns wide on AVX2, 32 on AVX-512: panel_width()); `gemm_swiglu` runs the MLP's fused
+gate_up product with SwiGLU as its epilogue.
 
-Reference: `x @ weight_t (+ bias)` (kernels/ref.py `linear`); tests/test_kernels_cpu_gemm.py compares them.
+Reference: `x @ weight_t (+ bias)` (kernels/ref.py `linear`), and `silu_and_mul` of it for
+`gemm_swiglu`; tests/test_kernels_cpu_gemm.py compares them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,13 @@ def _kernel():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return cpu_build.function("cpu_gemm", "gemm_packed",
                               [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int], ctypes.c_int)
+
+
+@cache
+def _swiglu_kernel():
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return cpu_build.function("cpu_gemm", "gemm_packed_swiglu", [ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int],
+                              ctypes.c_int)
 
 
 def available() -> bool:
@@ -50,15 +59,44 @@ class PackedWeight:
             raise ValueError(f"bias {tuple(self.bias.shape)} for {n} outputs")
 
 
+def _check_x(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != w.k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU float32 [M, {w.k}] tensor, got {tuple(x.shape)} {x.dtype}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def swiglu_fusable(w: PackedWeight) -> bool:
+    """Whether gemm_swiglu takes W = [gate | up]: no bias, K > 0, and I whole panels (so that gate
+    panel p pairs with up panel p + I / nr)."""
+    half = w.n // 2
+    return (w.bias is None and w.k > 0 and w.n % 2 == 0 and half >= panel_width() and half % panel_width() == 0
+            and _swiglu_kernel() is not None)
+
+
+def gemm_swiglu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [M, K] float32 @ W = [gate | up] ([K, 2I]) -> silu(x @ gate) * (x @ up), [M, I], in one
+    pass: the same bits as kernels/cpu_silu_mul.c over `gemm(x, w)`, without the [M, 2I] product
+    going out to memory and back. W must pass swiglu_fusable."""
+    if not swiglu_fusable(w):
+        raise ValueError(f"W [{w.k}, {w.n}] (bias: {w.bias is not None}) cannot run fused: need no bias and "
+                         f"[gate | up] halves of whole {panel_width()}-column panels")
+    x = _check_x(x, w)
+    m, inter = x.shape[0], w.n // 2
+    y = torch.empty(m, inter, dtype=torch.float32)
+    if m:
+        rc = _swiglu_kernel()(x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), m, w.k, inter, x.stride(0), inter,
+                              torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("CPU GEMM: out of memory for its row buffer")
+    return y
+
+
 def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) @ W -> [M, N] (+ bias)."""
     fn = _kernel()
     if fn is None:
         raise RuntimeError("the CPU GEMM kernel could not be built (see the log)")
-    if x.dim() != 2 or x.shape[1] != w.k or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a CPU float32 [M, {w.k}] tensor, got {tuple(x.shape)} {x.dtype}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _check_x(x, w)
     m = x.shape[0]
     if w.k == 0:  # an empty sum (the C code slices K and would divide by zero slices)
         return torch.zeros(m, w.n) if w.bias is None else w.bias.expand(m, w.n).clone()

@@ -1,7 +1,8 @@
 /* SwiGLU activation: out[t, i] = silu(x[t, i]) * x[t, I + i] over the fused gate_up output
  * x [T, 2I], in one pass. The reference (F.silu on a strided half, then a multiply with the other
  * strided half) makes two passes through a buffer that, at prefill sizes, is far out of cache.
- * silu(g) = g / (1 + exp(-g)) in fp32 (vexpf_inplace, cpu_common.h); dtype 0 = fp32, 1 = bf16. */
+ * silu(g) = g / (1 + exp(-g)) in fp32 (silu_mul_f32, cpu_common.h, shared with the GEMM's fused
+ * epilogue); dtype 0 = fp32, 1 = bf16. */
 #include <math.h>
 #include <stdint.h>
 
@@ -14,23 +15,10 @@ typedef struct {
     int dtype;
 } args_t;
 
-/* silu(g) * u for one row, through a chunk buffer so exp runs vectorised (vexpf_inplace). */
 static void rows_f32(const args_t *a, int64_t lo, int64_t hi) {
-    enum { CHUNK = 256 };
-    const int64_t n = a->inter;
-    float e[CHUNK];
     for (int64_t r = lo; r < hi; r++) {
         const float *g = (const float *)a->x + r * a->sx;
-        const float *u = g + n;
-        float *o = (float *)a->out + r * n;
-        for (int64_t c = 0; c < n; c += CHUNK) {
-            const int64_t m = n - c < CHUNK ? n - c : CHUNK;
-#pragma omp simd
-            for (int64_t i = 0; i < m; i++) e[i] = -g[c + i];
-            vexpf_inplace(e, m);
-#pragma omp simd
-            for (int64_t i = 0; i < m; i++) o[c + i] = g[c + i] / (1.f + e[i]) * u[c + i];
-        }
+        silu_mul_f32(g, g + a->inter, (float *)a->out + r * a->inter, a->inter);
     }
 }
 

@@ -160,6 +160,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gate_up_silu(x: torch.Tensor, w: tuple) -> torch.Tensor:
+    """The MLP's first half: x [T, H] @ [gate | up] (pack_linear of the fused [H, 2I] weight) ->
+    silu(gate) * up [T, I]. Backends may fuse the two; this is the two steps."""
+    return silu_and_mul(linear(x, w))
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox / HF rotate_half rotary embedding; cos_sin [max_pos, D] = [cos | sin] halves."""

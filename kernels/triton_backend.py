@@ -13,8 +13,8 @@ def build_backend() -> SimpleNamespace:
     from kernels.triton_rms_norm import rms_norm
     from kernels.triton_rotary import rotary
     from kernels.ref import linear, pack_linear  # cuBLAS
-    from kernels.ref import silu_and_mul  # element-wise: torch's own CUDA kernels do it
+    from kernels.ref import gate_up_silu, silu_and_mul  # cuBLAS, then torch's own element-wise CUDA kernels
 
     return SimpleNamespace(name="triton", write_kv=write_kv, paged_attention=paged_attention,
-                           rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul,
+                           rms_norm=rms_norm, rotary=rotary, silu_and_mul=silu_and_mul, gate_up_silu=gate_up_silu,
                            pack_linear=pack_linear, linear=linear, linear_keeps_weight=True)

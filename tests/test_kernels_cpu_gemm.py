@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.models.llama import Linear
-from kernels import cpu_backend, cpu_build, cpu_gemm, cpu_prefill_attention, get_backend, ref
+from kernels import cpu_backend, cpu_build, cpu_gemm, cpu_prefill_attention, cpu_silu_mul, get_backend, ref
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler here")
 
@@ -85,6 +85,50 @@ def test_launcher_checks_its_inputs():
         cpu_gemm.PackedWeight(torch.randn(8, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bias"):
         cpu_gemm.PackedWeight(torch.randn(8, 4), torch.randn(5))
+
+
+@pytest.mark.parametrize("m,k,panels", [
+    (1, 576, 3),     # a decode GEMV: threads split the gate panels
+    (5, 7, 1),       # fewer rows than a tile, odd K, one pair
+    (20, 600, 4),    # several K slices; tiles of 5 rows
+    (48, 576, 48),   # SmolLM2's decode MLP (I = 1536 on AVX-512)
+    (400, 576, 3),   # prompt-sized: threads split the rows
+    (250, 1536, 2),  # more rows than one L2 block
+])
+def test_swiglu_epilogue_gives_the_bits_of_the_two_kernels(m, k, panels):
+    inter = panels * cpu_gemm.panel_width()
+    x, w, _ = case(m, k, 2 * inter, False, seed=2)
+    pw = cpu_gemm.PackedWeight(w)
+    assert cpu_gemm.swiglu_fusable(pw)
+    got = cpu_gemm.gemm_swiglu(x, pw)
+    assert got.shape == (m, inter)
+    assert torch.equal(got, cpu_silu_mul.silu_and_mul(cpu_gemm.gemm(x, pw)))
+    truth = ref.silu_and_mul(x.double() @ w.double())
+    err, ref_err = (got.double() - truth).abs().max().item(), (ref.silu_and_mul(x @ w).double() - truth).abs().max().item()
+    assert err <= 4 * ref_err + 1e-5, (err, ref_err)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_gemm.gemm_swiglu(x, pw), got)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpu_gemm.gemm_swiglu(x[m // 2:], pw), got[m // 2:])  # rows at other tile positions
+
+
+def test_swiglu_epilogue_takes_whole_panels_only_and_the_backend_falls_back():
+    nr = cpu_gemm.panel_width()
+    cpu = get_backend("cpu")
+    x = torch.randn(7, 40)
+    for w, b in [(torch.randn(40, 2 * nr + 2), None), (torch.randn(40, 2 * nr), torch.randn(2 * nr))]:
+        pw = cpu_gemm.PackedWeight(w, b)  # I not whole panels; a bias
+        assert not cpu_gemm.swiglu_fusable(pw)
+        with pytest.raises(ValueError, match="fused"):
+            cpu_gemm.gemm_swiglu(x, pw)
+        want = ref.gate_up_silu(x, ref.pack_linear(w, b))
+        torch.testing.assert_close(cpu.gate_up_silu(x, pw), want, rtol=1e-4, atol=1e-4)
+    assert cpu_gemm.gemm_swiglu(torch.empty(0, 40), cpu_gemm.PackedWeight(torch.randn(40, 2 * nr))).shape == (0, nr)
+    with pytest.raises(ValueError, match=r"\[M, 40\]"):
+        cpu_gemm.gemm_swiglu(torch.randn(2, 41), cpu_gemm.PackedWeight(torch.randn(40, 2 * nr)))
 
 
 def test_linear_layers_pack_for_their_backend(monkeypatch):

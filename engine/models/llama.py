@@ -155,8 +155,10 @@ class MLP(nn.Module):
             state[f"{prefix}gate_up.weight"] = torch.cat([state.pop(g), state.pop(u)])
 
     def forward(self, x, kern):
-        # x [T, H] -> gate_up [T, 2I] -> silu(gate) * up [T, I] -> [T, H]
-        return self.down_proj(kern.silu_and_mul(self.gate_up(x, kern)), kern)
+        # x [T, H] -> silu(gate) * up [T, I] (one kernel: the backend may fuse the product and SwiGLU) -> [T, H]
+        if self.gate_up.packed is None:
+            raise RuntimeError("Linear.pack(kern) must run before forward")
+        return self.down_proj(kern.gate_up_silu(x, self.gate_up.packed), kern)
 
 
 class RMSNorm(nn.Module):
