@@ -108,23 +108,35 @@ static void softmax_chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first
     }
 }
 
-/* One chunk: S = Q K^T for keys [c0, c0 + n), softmax, O += P V. */
+/* Keys of the chunk [c0, c0 + n) that tile i's rows see (its last row's position bounds them), <= 0
+ * when none: a tile's products stop there, not at the item's last position (an item's first tiles
+ * skip up to qb - 1 diagonal keys, and the Q K^T of the last columns needs only one panel). */
+static inline int64_t tile_keys(const job_t *j, int64_t R, int64_t i, int64_t first_pos, int64_t c0, int64_t n) {
+    const int64_t last_row = i * TILE_ROWS + tile_height(R, i) - 1, seen = first_pos + last_row / (j->hq / j->hkv) + 1 - c0;
+    return seen < n ? seen : n;
+}
+
+/* One chunk: S = Q K^T for keys [c0, c0 + n), softmax, O += P V. Each tile's rows only as far as
+ * they see: their scores past that are masked (softmax_chunk), their P there exact zeros. */
 static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t c0, int64_t n) {
     const int64_t D = j->d, PC = PANEL_COLS, tiles = tile_count(R);
     for (int64_t i = 0; i < tiles; i++) {
-        const int64_t mr = tile_height(R, i);
-        for (int64_t c = 0; c < n; c += GC) { /* columns past n: zero-padded or later keys, masked */
+        const int64_t mr = tile_height(R, i), ni = tile_keys(j, R, i, first_pos, c0, n);
+        for (int64_t c = 0; c < ni; c += GC) { /* columns past ni: zero-padded or later keys, masked */
             const float *kt = w->kt + (c0 + c) / PC * D * PC;
-            tile_rows(w->qr + i * TILE_ROWS * D, D, 1, kt, kt + D * PC, PANEL_GROUP, D,
-                      w->s + i * TILE_ROWS * KCH + c, KCH, 0, 0, 0, mr);
+            float *s = w->s + i * TILE_ROWS * KCH + c;
+            if (PANEL_GROUP > 1 && ni - c <= PC) /* the last keys fit one panel */
+                tile_rows(w->qr + i * TILE_ROWS * D, D, 1, kt, 0, 1, D, s, KCH, 0, 0, 0, mr);
+            else
+                tile_rows(w->qr + i * TILE_ROWS * D, D, 1, kt, kt + D * PC, PANEL_GROUP, D, s, KCH, 0, 0, 0, mr);
         }
     }
     softmax_chunk(j, w, R, first_pos, c0, n);
     for (int64_t i = 0; i < tiles; i++) {
-        const int64_t mr = tile_height(R, i);
-        for (int64_t c = 0; c < j->dpad; c += GC) { /* n keys only: V past them may be unwritten */
+        const int64_t mr = tile_height(R, i), ni = tile_keys(j, R, i, first_pos, c0, n);
+        for (int64_t c = 0; ni > 0 && c < j->dpad; c += GC) { /* ni keys only: V past them may be unwritten */
             const float *vp = w->vp + (c / PC * j->lmax + c0) * PC;
-            tile_rows(w->s + i * TILE_ROWS * KCH, KCH, 1, vp, vp + j->lmax * PC, PANEL_GROUP, n,
+            tile_rows(w->s + i * TILE_ROWS * KCH, KCH, 1, vp, vp + j->lmax * PC, PANEL_GROUP, ni,
                       w->o + i * TILE_ROWS * j->dpad + c, j->dpad, 1, 0, 0, mr);
         }
     }
