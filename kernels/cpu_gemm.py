@@ -12,7 +12,7 @@ from functools import cache
 
 import torch
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_memory
 
 @cache
 def _kernel():
@@ -52,7 +52,8 @@ class PackedWeight:
         panels = -(-n // nr)
         padded = torch.zeros(k, panels * nr, dtype=torch.float32)
         padded[:, :n] = weight_t.detach()  # no autograd record holding on to the loaded copy
-        self.panels = padded.view(k, panels, nr).transpose(0, 1).contiguous()  # [P, K, nr]
+        self.panels = cpu_memory.weight_empty((panels, k, nr))  # [P, K, nr], on 2 MB pages where offered
+        self.panels.copy_(padded.view(k, panels, nr).transpose(0, 1))
         self.k, self.n = k, n
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         if self.bias is not None and self.bias.shape != (n,):
