@@ -87,6 +87,8 @@ def gemm_swiglu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if m:
         rc = _swiglu_kernel()(x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), m, w.k, inter, x.stride(0), inter,
                               torch.get_num_threads())
+        if rc == -4:  # swiglu_fusable checked this; the C side refuses rather than trusts it
+            raise ValueError(f"CPU GEMM: {inter} SwiGLU columns are not whole {panel_width()}-column panels")
         if rc != 0:
             raise MemoryError("CPU GEMM: out of memory for its row buffer")
     return y
