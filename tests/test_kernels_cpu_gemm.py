@@ -24,6 +24,16 @@ def case(m, k, n, bias, seed=0):
     return x, w, b
 
 
+def one_thread(fn):
+    """fn() with torch, and so the C kernels, on one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def exact(x, w, b):
     y = x.double() @ w.double()
     return y if b is None else y + b.double()
@@ -56,12 +66,7 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads(m, k, n):
     full = cpu_gemm.gemm(x, pw)
     for lo, hi in [(0, 1), (3, 4), (5, 12), (17, 23), (1, 23), (100, m)]:  # rows at other tile positions
         assert torch.equal(cpu_gemm.gemm(x[lo:hi], pw), full[lo:hi])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(cpu_gemm.gemm(x, pw), full)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(one_thread(lambda: cpu_gemm.gemm(x, pw)), full)
 
 
 def test_strided_rows_and_empty_batches():
@@ -106,12 +111,7 @@ def test_swiglu_epilogue_gives_the_bits_of_the_two_kernels(m, k, panels):
     truth = ref.silu_and_mul(x.double() @ w.double())
     err, ref_err = (got.double() - truth).abs().max().item(), (ref.silu_and_mul(x @ w).double() - truth).abs().max().item()
     assert err <= 4 * ref_err + 1e-5, (err, ref_err)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(cpu_gemm.gemm_swiglu(x, pw), got)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.equal(one_thread(lambda: cpu_gemm.gemm_swiglu(x, pw)), got)
     assert torch.equal(cpu_gemm.gemm_swiglu(x[m // 2:], pw), got[m // 2:])  # rows at other tile positions
 
 
