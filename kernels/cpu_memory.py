@@ -7,7 +7,7 @@ side on a Zen 4 (30 layers' GEMMs + lm_head, weights cold, best of 7): 4 rows 17
 allocations get 4 KB pages, so the memory is mapped here and advised MADV_HUGEPAGE before it is
 first touched. Weights are packed into shared 64 MB arenas (each an aligned run of huge pages)
 rather than one mapping each, which would round every small weight up to whole 2 MB pages; an
-arena is unmapped once no tensor in it is alive. Elsewhere (no MADV_HUGEPAGE), or with
+arena is unmapped once no tensor in it is alive and it is no longer the one being filled. Elsewhere (no MADV_HUGEPAGE), or with
 GENPOOL_HUGE_PAGES=0: torch.empty.
 """
 from __future__ import annotations
