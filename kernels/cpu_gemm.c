@@ -46,17 +46,49 @@ typedef struct {
  * tile does a third of the work at a much lower rate (its B loads are shared by two rows). */
 static inline int64_t tile_start(int64_t m, int64_t t) { return m * t / tile_count(m); }
 
+#if defined(__AVX512F__)
+/* out[k * 6 + i] = r[i][k] for k < 16: the six rows' 16-float vectors interleaved, as six vectors
+ * of 16. Output lane p of vector j is element (16j + p) / 6 (IDX) of row (16j + p) % 6, whose
+ * lanes are the mask LANES[(i + 2j) % 6]: a masked permute per row. Scalar strided stores took
+ * ~4% of a prompt-sized GEMM's time (2048 rows x 576: 204 vs 196 ms without packing). */
+static inline void interleave6x16(const __m512 r[TILE_ROWS], float *out) {
+    static const int32_t IDX[TILE_ROWS][16] = {
+        {0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2},       {2, 2, 3, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 5, 5},
+        {5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7},       {8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10},
+        {10, 10, 11, 11, 11, 11, 11, 11, 12, 12, 12, 12, 12, 12, 13, 13},
+        {13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15}};
+    static const __mmask16 LANES[TILE_ROWS] = {0x1041, 0x2082, 0x4104, 0x8208, 0x0410, 0x0820};
+#pragma GCC unroll 6
+    for (int j = 0; j < TILE_ROWS; j++) {
+        const __m512i ix = _mm512_loadu_si512(IDX[j]);
+        __m512 o = _mm512_maskz_permutexvar_ps(LANES[(2 * j) % TILE_ROWS], ix, r[0]);
+#pragma GCC unroll 5
+        for (int i = 1; i < TILE_ROWS; i++) o = _mm512_mask_permutexvar_ps(o, LANES[(i + 2 * j) % TILE_ROWS], ix, r[i]);
+        _mm512_storeu_ps(out + 16 * j, o);
+    }
+}
+#endif
+
 /* Rows [r0, r1) of x as tiles of up to six interleaved rows: ap[tile][k][6], unused lanes zero. */
 static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
     const int64_t K = g->k, m = r1 - r0;
     for (int64_t t = 0; t < tile_count(m); t++, ap += K * TILE_ROWS) {
         const int64_t a = tile_start(m, t), mr = tile_start(m, t + 1) - a;
+        int64_t k0 = 0;
+#if defined(__AVX512F__)
+        for (; k0 + 16 <= K; k0 += 16) {
+            __m512 r[TILE_ROWS];
+            for (int64_t i = 0; i < TILE_ROWS; i++)
+                r[i] = i < mr ? _mm512_loadu_ps(g->x + (r0 + a + i) * g->ldx + k0) : _mm512_setzero_ps();
+            interleave6x16(r, ap + k0 * TILE_ROWS);
+        }
+#endif
         for (int64_t i = 0; i < TILE_ROWS; i++) {
             const float *x = g->x + (r0 + a + i) * g->ldx;
             if (i < mr)
-                for (int64_t k = 0; k < K; k++) ap[k * TILE_ROWS + i] = x[k];
+                for (int64_t k = k0; k < K; k++) ap[k * TILE_ROWS + i] = x[k];
             else
-                for (int64_t k = 0; k < K; k++) ap[k * TILE_ROWS + i] = 0.f;
+                for (int64_t k = k0; k < K; k++) ap[k * TILE_ROWS + i] = 0.f;
         }
     }
 }
