@@ -77,7 +77,7 @@ def _linear(x, w):
 
 
 def _gate_up_silu(x, w):
-    if isinstance(w, cpu_gemm.PackedWeight) and x.dtype == torch.float32 and cpu_gemm.swiglu_fusable(w):
+    if isinstance(w, cpu_gemm.PackedWeight) and x.dtype == torch.float32 and w.swiglu_fusable:
         return cpu_gemm.gemm_swiglu(x, w)
     return cpu_silu_mul.silu_and_mul(_linear(x, w))
 

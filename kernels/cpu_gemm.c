@@ -148,10 +148,10 @@ static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1
     float *ap = malloc(sizeof(float) * rows * (g->k + 2 * NR));
     if (!ap) return -1;
     float *part = ap + rows * g->k;
+    const int64_t group = g->glu ? 1 : PANEL_GROUP;
     for (int64_t r0 = m0; r0 < m1; r0 += g->mc) {
         const int64_t r1 = r0 + g->mc < m1 ? r0 + g->mc : m1;
         pack_rows(g, r0, r1, ap);
-        const int64_t group = g->glu ? 1 : PANEL_GROUP;
         for (int64_t p = p0; p < p1; p += group) {
             const int64_t np = p + 1 < p1 ? group : 1;
             const int64_t after = p1 - p - np < group ? p1 - p - np : group;

@@ -8,7 +8,7 @@ Reference: `x @ weight_t (+ bias)` (kernels/ref.py `linear`), and `silu_and_mul`
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import cache, cached_property
 
 import torch
 
@@ -59,6 +59,14 @@ class PackedWeight:
         if self.bias is not None and self.bias.shape != (n,):
             raise ValueError(f"bias {tuple(self.bias.shape)} for {n} outputs")
 
+    @cached_property
+    def swiglu_fusable(self) -> bool:
+        """Whether gemm_swiglu takes this W as [gate | up]: no bias, K > 0, and I whole panels (so
+        that gate panel p pairs with up panel p + I / nr). Decided once per weight, not per call."""
+        half = self.n // 2
+        return (self.bias is None and self.k > 0 and self.n % 2 == 0 and half >= panel_width()
+                and half % panel_width() == 0 and _swiglu_kernel() is not None)
+
 
 def _check_x(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != w.k or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -66,19 +74,11 @@ def _check_x(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def swiglu_fusable(w: PackedWeight) -> bool:
-    """Whether gemm_swiglu takes W = [gate | up]: no bias, K > 0, and I whole panels (so that gate
-    panel p pairs with up panel p + I / nr)."""
-    half = w.n // 2
-    return (w.bias is None and w.k > 0 and w.n % 2 == 0 and half >= panel_width() and half % panel_width() == 0
-            and _swiglu_kernel() is not None)
-
-
 def gemm_swiglu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [M, K] float32 @ W = [gate | up] ([K, 2I]) -> silu(x @ gate) * (x @ up), [M, I], in one
     pass: the same bits as kernels/cpu_silu_mul.c over `gemm(x, w)`, without the [M, 2I] product
-    going out to memory and back. W must pass swiglu_fusable."""
-    if not swiglu_fusable(w):
+    going out to memory and back. W.swiglu_fusable must hold."""
+    if not w.swiglu_fusable:
         raise ValueError(f"W [{w.k}, {w.n}] (bias: {w.bias is not None}) cannot run fused: need no bias and "
                          f"[gate | up] halves of whole {panel_width()}-column panels")
     x = _check_x(x, w)
@@ -87,7 +87,7 @@ def gemm_swiglu(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if m:
         rc = _swiglu_kernel()(x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), m, w.k, inter, x.stride(0), inter,
                               torch.get_num_threads())
-        if rc == -4:  # swiglu_fusable checked this; the C side refuses rather than trusts it
+        if rc == -4:  # w.swiglu_fusable checked this; the C side refuses rather than trusts it
             raise ValueError(f"CPU GEMM: {inter} SwiGLU columns are not whole {panel_width()}-column panels")
         if rc != 0:
             raise MemoryError("CPU GEMM: out of memory for its row buffer")

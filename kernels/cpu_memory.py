@@ -12,6 +12,7 @@ GENPOOL_HUGE_PAGES=0: torch.empty.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -43,10 +44,7 @@ def _map(nbytes: int) -> torch.Tensor:
 
 def weight_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised contiguous tensor for a weight that lives as long as its model."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not huge_pages_available() or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if nbytes > ARENA_BYTES // 4:  # big (an lm_head): its own run of pages

@@ -104,7 +104,7 @@ def test_swiglu_epilogue_gives_the_bits_of_the_two_kernels(m, k, panels):
     inter = panels * cpu_gemm.panel_width()
     x, w, _ = case(m, k, 2 * inter, False, seed=2)
     pw = cpu_gemm.PackedWeight(w)
-    assert cpu_gemm.swiglu_fusable(pw)
+    assert pw.swiglu_fusable
     got = cpu_gemm.gemm_swiglu(x, pw)
     assert got.shape == (m, inter)
     assert torch.equal(got, cpu_silu_mul.silu_and_mul(cpu_gemm.gemm(x, pw)))
@@ -121,7 +121,7 @@ def test_swiglu_epilogue_takes_whole_panels_only_and_the_backend_falls_back():
     x = torch.randn(7, 40)
     for w, b in [(torch.randn(40, 2 * nr + 2), None), (torch.randn(40, 2 * nr), torch.randn(2 * nr))]:
         pw = cpu_gemm.PackedWeight(w, b)  # I not whole panels; a bias
-        assert not cpu_gemm.swiglu_fusable(pw)
+        assert not pw.swiglu_fusable
         with pytest.raises(ValueError, match="fused"):
             cpu_gemm.gemm_swiglu(x, pw)
         want = ref.gate_up_silu(x, ref.pack_linear(w, b))

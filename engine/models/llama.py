@@ -104,11 +104,15 @@ class Linear(nn.Module):
         if not kern.linear_keeps_weight:
             self.weight_t = None  # the packed copy is the weight now: do not hold it twice
 
-    def forward(self, x, kern):
-        # x [T, in] -> [T, out]
+    def packed_weight(self):
+        """The weight as the backend packed it (what kern.linear and kernels like it take)."""
         if self.packed is None:
             raise RuntimeError("Linear.pack(kern) must run before forward")
-        return kern.linear(x, self.packed)
+        return self.packed
+
+    def forward(self, x, kern):
+        # x [T, in] -> [T, out]
+        return kern.linear(x, self.packed_weight())
 
 
 class Attention(nn.Module):
@@ -156,9 +160,7 @@ class MLP(nn.Module):
 
     def forward(self, x, kern):
         # x [T, H] -> silu(gate) * up [T, I] (one kernel: the backend may fuse the product and SwiGLU) -> [T, H]
-        if self.gate_up.packed is None:
-            raise RuntimeError("Linear.pack(kern) must run before forward")
-        return self.down_proj(kern.gate_up_silu(x, self.gate_up.packed), kern)
+        return self.down_proj(kern.gate_up_silu(x, self.gate_up.packed_weight()), kern)
 
 
 class RMSNorm(nn.Module):
