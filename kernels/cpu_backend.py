@@ -16,7 +16,9 @@
   bf16_matmul_hardware()); GENPOOL_CPU_GEMM=0 turns ours off (use_tile_kernels());
 - write_kv: kernels/cpu_write_kv.c, a memcpy per row instead of two index_copy_ calls;
 - rms_norm: kernels/cpu_rms_norm.c for fp32 (one pass instead of 7 ops); bf16 keeps the
-  reference, whose vectorised bf16 conversions beat the C kernel's scalar ones.
+  reference, whose vectorised bf16 conversions beat the C kernel's scalar ones;
+- decode_layers: kernels/cpu_decode_layers.c, a pure-decode step's whole fp32 stack in one call (the
+  kernels above, launched from C instead of Python; same bits).
 `build_backend()` returns None when the C kernels cannot be built (no compiler): "auto" then uses
 "torch", an explicit "cpu" is an error.
 """
@@ -28,8 +30,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import (cpu_build, cpu_decode_attention, cpu_gemm, cpu_prefill_attention, cpu_rms_norm, cpu_rotary,
-                     cpu_silu_mul, cpu_write_kv, ref)
+from kernels import (cpu_build, cpu_decode_attention, cpu_decode_layers, cpu_gemm, cpu_prefill_attention,
+                     cpu_rms_norm, cpu_rotary, cpu_silu_mul, cpu_write_kv, ref)
 
 
 def _rms_norm(x, weight, eps, residual=None):
@@ -89,7 +91,10 @@ def build_backend() -> SimpleNamespace | None:
         return None
     prefill = cpu_prefill_attention.prefill_rows if use_tile_kernels() else ref.prefill_rows
     attention = partial(ref.mixed_attention, decode_rows=cpu_decode_attention.decode_attention, prefill=prefill)
+    # decode_layers (optional in the contract): a pure-decode step's whole stack in one C call, with
+    # our GEMM only (its packed weights are what the stack reads)
+    stack = cpu_decode_layers.build if use_tile_kernels() and cpu_decode_layers.available() else None
     return SimpleNamespace(name="cpu", write_kv=cpu_write_kv.write_kv, paged_attention=attention,
                            rms_norm=_rms_norm, rotary=cpu_rotary.rotary, silu_and_mul=cpu_silu_mul.silu_and_mul,
-                           gate_up_silu=_gate_up_silu,
+                           gate_up_silu=_gate_up_silu, decode_layers=stack,
                            pack_linear=_pack_linear, linear=_linear, linear_keeps_weight=False)

@@ -33,6 +33,9 @@ HERE = Path(__file__).resolve().parent
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=fast",
           "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
+# Libraries built from more than their own file: the other kernels' sources they call into
+# (compiled into the same library, each file its own translation unit).
+LINKED = {"cpu_decode_layers": ("cpu_gemm", "cpu_rms_norm", "cpu_rotary", "cpu_write_kv", "cpu_decode_attention")}
 # The `dtype` argument of every C kernel: which element type its tensors hold.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -65,8 +68,12 @@ def cpu_has(flag: str) -> bool:
 SERIAL_CFLAGS = [("-fopenmp-simd" if f == "-fopenmp" else f) for f in CFLAGS]
 
 
+def _sources(name: str) -> list[Path]:
+    return [HERE / f"{n}.c" for n in (name, *LINKED.get(name, ()))]
+
+
 def library_path(name: str, cc: str, flags: list[str] = CFLAGS) -> Path:
-    src = (HERE / f"{name}.c").read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
+    src = b"".join(p.read_bytes() for p in _sources(name)) + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_identity()]).encode())
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
@@ -76,7 +83,7 @@ def _compile(name: str, cc: str, out: Path, flags: list[str]) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, "-I", str(HERE), "-o", tmp, str(HERE / f"{name}.c"), "-lm"]
+        cmd = [cc, *flags, "-I", str(HERE), "-o", tmp, *map(str, _sources(name)), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")

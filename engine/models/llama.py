@@ -212,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
         # R rows: the last layer's attention, o_proj and MLP then run on those rows alone (a
         # prompt's other rows only need that layer's K/V; ~3% of a prefill step's GEMM work)
         x = self.model.embed_tokens(input_ids)
+        stack = self._decode_stack(kern, kv_caches, meta) if getattr(meta, "decode_only", False) else None
+        if stack is not None:  # every layer in one backend call: the same kernels in the same order
+            return stack(x, positions, meta.rope, meta.slot_mapping, meta.block_tables, meta.seq_lens)
         residual, keep, last = None, meta.keep, len(self.model.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, positions, kv, meta, kern, keep if i == last else None)
@@ -219,6 +222,24 @@ class LlamaForCausalLM(nn.Module):
             return x
         x, _ = self.model.norm(x, residual, kern)
         return x
+
+    def _decode_stack(self, kern, kv_caches, meta):
+        """The backend's one-call decoder stack for pure-decode steps (kern.decode_layers, optional;
+        None where the backend has none or cannot run these layers), built once per backend and KV
+        caches: in Python each decode step's ~300 small kernel launches cost more than the work of
+        many of them (~15% of the CPU decode steps' time)."""
+        key = (id(kern), id(kv_caches), meta.rope.shape[0])
+        if getattr(self, "_stack_key", None) != key:
+            build = getattr(kern, "decode_layers", None)
+            self._stack_key, self._stack = key, None if build is None else build(
+                [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
+                      qkv=l.self_attn.qkv.packed_weight(), o=l.self_attn.o_proj.packed_weight(),
+                      gate_up=l.mlp.gate_up.packed_weight(), down=l.mlp.down_proj.packed_weight(),
+                      k_cache=kv[0], v_cache=kv[1]) for l, kv in zip(self.model.layers, kv_caches)],
+                self.model.norm.weight, num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads,
+                head_dim=self.args.head_dim, eps=self.args.rms_norm_eps,
+                scale=self.model.layers[0].self_attn.scale, max_pos=meta.rope.shape[0])
+        return self._stack
 
     def compute_logits(self, hidden, kern):
         # hidden [N, H] -> logits [N, V] in fp32 for the sampler
