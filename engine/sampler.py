@@ -118,8 +118,9 @@ class Sampler:
         logits = logits.float()
         tokens: list[int] = [0] * len(rows)
         plain = [i for i, r in enumerate(rows) if _is_plain_greedy(r)]
-        if plain:  # the common case: one argmax for all plain-greedy rows
-            picked = logits.index_select(0, _rows(plain, logits)).argmax(dim=-1).tolist()
+        if plain:  # the common case: one argmax for all plain-greedy rows (no copy when that is every row)
+            picked = (logits if len(plain) == len(rows) else logits.index_select(0, _rows(plain, logits))
+                      ).argmax(dim=-1).tolist()
             for i, t in zip(plain, picked):
                 tokens[i] = t
         plain_set = set(plain)
