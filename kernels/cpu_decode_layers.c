@@ -14,10 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-int gemm_packed(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
-                int64_t ldx, int64_t ldy, int nthreads);
-int gemm_packed_swiglu(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t inter,
-                       int64_t ldx, int64_t ldy, int nthreads);
+#include "cpu_gemm.h"
+
 void rms_norm(const void *x, const void *res, const void *w, void *out, void *sum_out, int64_t n, int64_t h,
               int64_t sx, int64_t sr, int64_t so, int64_t ss, float eps, int dtype, int nthreads);
 int rotary(const void *q, const void *k, void *qo, void *ko, const int64_t *pos, const float *cs, int64_t n,
@@ -60,7 +58,8 @@ static int attention_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t
                            const float *rope, const int64_t *slots, const int32_t *tables, int64_t width,
                            const int32_t *lens, int nt) {
     const int64_t qkv_n = (d->nh + 2 * d->nkv) * d->hd, qn = d->nh * d->hd, kn = d->nkv * d->hd;
-    int rc = gemm_packed(b->h, l->qkv, l->qkv_bias, b->qkv, m, d->hidden, qkv_n, d->hidden, qkv_n, nt);
+    const gemm_next_t o = {l->o, qn, d->hidden, 0};
+    int rc = gemm_packed_then(b->h, l->qkv, l->qkv_bias, b->qkv, m, d->hidden, qkv_n, d->hidden, qkv_n, &o, nt);
     if (rc) return DL_ERR_GEMM + rc;
     rc = rotary(b->qkv, b->qkv + qn, b->q, b->k, pos, rope, m, d->nh, d->nkv, d->hd, qkv_n, qkv_n, d->max_pos, 0, nt);
     if (rc) return DL_ERR_ROTARY + rc;
@@ -71,15 +70,18 @@ static int attention_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t
     rc = paged_decode_attention(b->q, l->k_cache, l->v_cache, b->attn, tables, lens, m, d->nh, d->nkv, d->hd,
                                 d->block_size, width, d->num_blocks, strides, strides, d->scale, 0, nt);
     if (rc) return DL_ERR_ATTN + rc;
-    rc = gemm_packed(b->attn, l->o, 0, b->x, m, qn, d->hidden, qn, d->hidden, nt);
+    const gemm_next_t gate_up = {l->gate_up, d->hidden, d->inter, 1};
+    rc = gemm_packed_then(b->attn, l->o, 0, b->x, m, qn, d->hidden, qn, d->hidden, &gate_up, nt);
     return rc ? DL_ERR_GEMM + rc : 0;
 }
 
-static int mlp_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t m, int nt) {
-    const int64_t H = d->hidden;
-    int rc = gemm_packed_swiglu(b->h, l->gate_up, b->act, m, H, d->inter, H, d->inter, nt);
+/* `next`: the following layer, or NULL after the last one. */
+static int mlp_block(const dims_t *d, const layer_t *l, const layer_t *next, bufs_t *b, int64_t m, int nt) {
+    const int64_t H = d->hidden, qkv_n = (d->nh + 2 * d->nkv) * d->hd;
+    const gemm_next_t down = {l->down, d->inter, H, 0}, qkv = {next ? next->qkv : 0, H, qkv_n, 0};
+    int rc = gemm_packed_swiglu_then(b->h, l->gate_up, b->act, m, H, d->inter, H, d->inter, &down, nt);
     if (rc) return DL_ERR_GEMM + rc;
-    rc = gemm_packed(b->act, l->down, 0, b->x, m, d->inter, H, d->inter, H, nt);
+    rc = gemm_packed_then(b->act, l->down, 0, b->x, m, d->inter, H, d->inter, H, next ? &qkv : 0, nt);
     return rc ? DL_ERR_GEMM + rc : 0;
 }
 
@@ -108,7 +110,7 @@ int decode_layers(const dims_t *d, const layer_t *layers, const float *final_nor
         if (rc) break;
         rms_norm(b.x, b.res[r], l->ln2, b.h, b.res[!r], m, H, H, H, H, H, d->eps, 0, nt);
         r = !r;
-        rc = mlp_block(d, l, &b, m, nt);
+        rc = mlp_block(d, l, i + 1 < d->layers ? l + 1 : 0, &b, m, nt);
     }
     if (!rc)
         rms_norm(d->layers ? b.x : x, d->layers ? b.res[r] : 0, final_norm, out, b.res[!r], m, H, H, H, H, H,

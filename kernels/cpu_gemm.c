@@ -15,6 +15,7 @@
  * x and y: row-major with leading dimensions ldx / ldy (elements). Returns 0, or -1 out of memory.
  */
 #include "cpu_common.h"
+#include "cpu_gemm.h"
 #include "cpu_tile.h"
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +40,7 @@ typedef struct {
     float *y;
     int64_t m, k, n, ldx, ldy, mc, kc;
     int64_t glu; /* 0, or SwiGLU: n = I outputs, gate panel p pairs with up panel p + glu (= I / NR) */
+    const gemm_next_t *next; /* NULL, or when threads split panels: prefetched as this one ends */
 } gemm_t;
 
 /* The m rows of a block go in ceil(m / 6) tiles of nearly equal height (tile t: rows
@@ -98,13 +100,14 @@ static void pack_rows(const gemm_t *g, int64_t r0, int64_t r1, float *ap) {
  * passes over it (whole 576-deep panels did not fit: ~90 GFLOP/s instead of ~150 on AVX2); the
  * partial sums wait in y itself (or in `part`, [mc + 6, 2 * NR], for columns past n), reloaded per
  * slice, so each element is still one FMA chain over k in order. While these panels are worked on,
- * `next_rows` rows of the following ones (`next`, NULL: none) are prefetched in equal slices.
+ * `next_rows` rows of the following ones (`next`, NULL: none) are prefetched in equal slices
+ * (`pair`: a SwiGLU pair, its up panel `pair` panels of `pair_k` rows after the gate panel).
  * SwiGLU (g->glu): p is a gate panel, np 1; it and its up panel run as one pair into `part`, and
  * each tile's rows become silu(gate) * up in y once their last slice is done, while still in L1:
  * the [M, 2I] product never goes out to memory and back (the stand-alone kernel's two passes).
  * Every gate / up element is the plain GEMM's FMA chain, so the result is its bits. */
 static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64_t r1, const float *ap,
-                       float *part, const float *next, int64_t next_rows) {
+                       float *part, const float *next, int64_t next_rows, int64_t pair, int64_t pair_k) {
     const int64_t K = g->k, col = p * NR, cols = g->n - col < np * NR ? g->n - col : np * NR;
     const int64_t m = r1 - r0, nt = tile_count(m), nk = (K + g->kc - 1) / g->kc, kc = (K + nk - 1) / nk;
     const int direct = !g->glu && cols == np * NR;
@@ -117,10 +120,10 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
             const int64_t mr = tile_start(m, i + 1) - tile_start(m, i);
             int64_t f0 = next_rows * step / (nt * nk), f1 = next_rows * (step + 1) / (nt * nk);
             const float *pf = next ? next + f0 * NR : 0;
-            if (g->glu && f0 >= K) /* the second half of a SwiGLU pair's prefetch: its up panel */
-                pf = next + (g->glu * K + f0 - K) * NR;
-            else if (g->glu && f1 > K)
-                f1 = K;
+            if (pair && f0 >= pair_k) /* the second half of a SwiGLU pair's prefetch: its up panel */
+                pf = next + (pair * pair_k + f0 - pair_k) * NR;
+            else if (pair && f1 > pair_k)
+                f1 = pair_k;
             const float *a = ap + (i * K + k0) * TILE_ROWS;
             float *ci = c + tile_start(m, i) * ldc;
             if (np == 2 || g->glu) /* constant np per call: each tile_group variant compiles branch-free */
@@ -141,6 +144,20 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
     }
 }
 
+/* Panels (own weight's) per thread split, and the next product's: the share of the next weight
+ * that the thread starting at panel p0 of this one will take (threads split both in proportion),
+ * its first PANEL_GROUP panels (SwiGLU: a gate panel and its up panel). */
+static const float *next_panels(const gemm_t *g, int64_t p0, int64_t *rows, int64_t *pair, int64_t *pair_k) {
+    const gemm_next_t *nx = g->next;
+    const int64_t own = g->glu ? g->glu : (g->n + NR - 1) / NR, total = nx->glu ? nx->n / NR : (nx->n + NR - 1) / NR;
+    const int64_t q0 = total * p0 / own;
+    if (q0 >= total) return 0;
+    *pair = nx->glu ? nx->n / NR : 0;
+    *pair_k = nx->k;
+    *rows = (nx->glu ? 2 : (total - q0 < PANEL_GROUP ? total - q0 : PANEL_GROUP)) * nx->k;
+    return nx->wp + q0 * nx->k * NR;
+}
+
 /* Rows [m0, m1) x panels [p0, p1), one block of mc rows at a time (packed once per block), the
  * panels PANEL_GROUP at a time (SwiGLU: gate panels, one pair at a time). */
 static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
@@ -156,8 +173,11 @@ static int block(const gemm_t *g, int64_t m0, int64_t m1, int64_t p0, int64_t p1
             const int64_t np = p + 1 < p1 ? group : 1;
             const int64_t after = p1 - p - np < group ? p1 - p - np : group;
             /* SwiGLU prefetches the next gate panel, then its up panel (group_rows) */
-            const int64_t pf_rows = (g->glu ? 2 : after) * g->k;
-            group_rows(g, p, np, r0, r1, ap, part, after ? g->wp + (p + np) * g->k * NR : 0, after ? pf_rows : 0);
+            const float *nx = after ? g->wp + (p + np) * g->k * NR : 0;
+            int64_t pf_rows = after ? (g->glu ? 2 : after) * g->k : 0, pair = g->glu, pair_k = g->k;
+            if (!after && g->next && r1 == m1) /* this thread's last panels: the next product's first */
+                nx = next_panels(g, p0, &pf_rows, &pair, &pair_k);
+            group_rows(g, p, np, r0, r1, ap, part, nx, pf_rows, pair, pair_k);
         }
     }
     free(ap);
@@ -200,23 +220,35 @@ static int run(gemm_t *g, int nthreads) {
     g->mc = row_block(g->k);
     g->kc = split_rows ? KC_ROWS : KC;
     const int64_t pair = g->glu ? 2 : 1; /* SwiGLU: each output column costs a gate and an up column */
-    if (split_rows)
+    if (split_rows) {
+        g->next = 0; /* each thread reads every panel, from cache: nothing to start early */
         return parallel_rows(by_rows, g, tiles, g->k * g->n * pair, nthreads);
+    }
     return parallel_rows(by_panels, g, np, g->m * g->k * NR * pair, nthreads);
+}
+
+int gemm_packed_then(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
+                     int64_t ldx, int64_t ldy, const gemm_next_t *next, int nthreads) {
+    gemm_t g = {x, wp, bias, y, m, k, n, ldx, ldy, 0, 0, 0, next};
+    return run(&g, nthreads);
 }
 
 int gemm_packed(const float *x, const float *wp, const float *bias, float *y, int64_t m, int64_t k,
                 int64_t n, int64_t ldx, int64_t ldy, int nthreads) {
-    gemm_t g = {x, wp, bias, y, m, k, n, ldx, ldy, 0, 0, 0};
-    return run(&g, nthreads);
+    return gemm_packed_then(x, wp, bias, y, m, k, n, ldx, ldy, 0, nthreads);
 }
 
 /* y[M, I] = silu(x @ gate) * (x @ up) for W = [gate | up] packed as one [K, 2I] weight (2I / NR
  * panels): the MLP's gate_up product and SwiGLU in one pass. Needs I to be whole panels (-4
- * otherwise: the caller runs the two steps apart). */
+ * otherwise: the caller runs the two steps apart). `next`: as gemm_packed_then. */
+int gemm_packed_swiglu_then(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t inter,
+                            int64_t ldx, int64_t ldy, const gemm_next_t *next, int nthreads) {
+    if (inter < NR || inter % NR) return -4;
+    gemm_t g = {x, wp, 0, y, m, k, inter, ldx, ldy, 0, 0, inter / NR, next};
+    return run(&g, nthreads);
+}
+
 int gemm_packed_swiglu(const float *x, const float *wp, float *y, int64_t m, int64_t k, int64_t inter,
                        int64_t ldx, int64_t ldy, int nthreads) {
-    if (inter < NR || inter % NR) return -4;
-    gemm_t g = {x, wp, 0, y, m, k, inter, ldx, ldy, 0, 0, inter / NR};
-    return run(&g, nthreads);
+    return gemm_packed_swiglu_then(x, wp, y, m, k, inter, ldx, ldy, 0, nthreads);
 }
