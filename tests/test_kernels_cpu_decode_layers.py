@@ -131,3 +131,14 @@ def test_bad_metadata_is_a_clear_error(tiny_llama_path):
         stack(x, pos[:1], runner.rope, slots, tables, lens)
     with pytest.raises(ValueError, match="float32"):
         stack(x.double(), pos, runner.rope, slots, tables, lens)
+
+
+def test_the_stack_is_built_once_per_set_of_caches(tiny_llama_path):
+    runner = _runner(tiny_llama_path, blocks=8)
+    meta = SimpleNamespace(rope=runner.rope)
+    first = runner.model._decode_stack(runner.kern, runner.kv_caches, meta)
+    assert first is not None and runner.model._decode_stack(runner.kern, runner.kv_caches, meta) is first
+    other = [(k.clone(), v.clone()) for k, v in runner.kv_caches]  # e.g. a second runner's caches
+    second = runner.model._decode_stack(runner.kern, other, meta)
+    assert second is not first
+    assert second.layers[0].k_cache == other[0][0].data_ptr() != first.layers[0].k_cache

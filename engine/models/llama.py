@@ -228,10 +228,11 @@ class LlamaForCausalLM(nn.Module):
         None where the backend has none or cannot run these layers), built once per backend and KV
         caches: in Python each decode step's ~300 small kernel launches cost more than the work of
         many of them (~15% of the CPU decode steps' time)."""
-        key = (id(kern), id(kv_caches), meta.rope.shape[0])
-        if getattr(self, "_stack_key", None) != key:
+        key = getattr(self, "_stack_key", (None, None, None))  # the objects themselves: ids can be reused
+        if key[0] is not kern or key[1] is not kv_caches or key[2] != meta.rope.shape[0]:
             build = getattr(kern, "decode_layers", None)
-            self._stack_key, self._stack = key, None if build is None else build(
+            self._stack_key = (kern, kv_caches, meta.rope.shape[0])
+            self._stack = None if build is None else build(
                 [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
                       qkv=l.self_attn.qkv.packed_weight(), o=l.self_attn.o_proj.packed_weight(),
                       gate_up=l.mlp.gate_up.packed_weight(), down=l.mlp.down_proj.packed_weight(),
