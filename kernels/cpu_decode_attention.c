@@ -12,6 +12,7 @@
  * Returns 0, or a negative code: -1 out of memory, -2 block id out of range, -3 bad length.
  */
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -15,17 +15,7 @@
 #include <stdlib.h>
 
 #include "cpu_gemm.h"
-
-void rms_norm(const void *x, const void *res, const void *w, void *out, void *sum_out, int64_t n, int64_t h,
-              int64_t sx, int64_t sr, int64_t so, int64_t ss, float eps, int dtype, int nthreads);
-int rotary(const void *q, const void *k, void *qo, void *ko, const int64_t *pos, const float *cs, int64_t n,
-           int64_t hq, int64_t hk, int64_t d, int64_t sq, int64_t sk, int64_t max_pos, int dtype, int nthreads);
-int write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots, int64_t t,
-             int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize);
-int paged_decode_attention(const void *q, const void *k, const void *v, void *out, const int32_t *tables,
-                           const int32_t *lens, int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-                           int64_t width, int64_t num_blocks, const int64_t *k_strides, const int64_t *v_strides,
-                           float scale, int dtype, int nthreads);
+#include "cpu_kernels.h"
 
 /* Which kernel failed: added to that kernel's own (negative) code. */
 enum { DL_ERR_OOM = -1, DL_ERR_GEMM = -100, DL_ERR_ROTARY = -200, DL_ERR_KV = -300, DL_ERR_ATTN = -400 };

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "cpu_common.h"
+#include "cpu_kernels.h"
 
 typedef struct {
     const void *q, *k;

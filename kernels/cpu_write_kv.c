@@ -9,6 +9,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "cpu_kernels.h"
 
 int write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots, int64_t t,
              int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize) {

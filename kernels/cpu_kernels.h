@@ -1,0 +1,18 @@
+/* The element-wise and attention kernels' entry points, for the kernels that call them from C
+ * (cpu_decode_layers.c); each defining file includes this too, so the compiler checks that the
+ * two agree. The GEMM's are in cpu_gemm.h. */
+#ifndef GENPOOL_CPU_KERNELS_H
+#define GENPOOL_CPU_KERNELS_H
+#include <stdint.h>
+
+void rms_norm(const void *x, const void *res, const void *w, void *out, void *sum_out, int64_t n, int64_t h,
+              int64_t sx, int64_t sr, int64_t so, int64_t ss, float eps, int dtype, int nthreads);
+int rotary(const void *q, const void *k, void *qo, void *ko, const int64_t *pos, const float *cs, int64_t n,
+           int64_t hq, int64_t hk, int64_t d, int64_t sq, int64_t sk, int64_t max_pos, int dtype, int nthreads);
+int write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots, int64_t t,
+             int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize);
+int paged_decode_attention(const void *q, const void *k, const void *v, void *out, const int32_t *tables,
+                           const int32_t *lens, int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                           int64_t width, int64_t num_blocks, const int64_t *k_strides, const int64_t *v_strides,
+                           float scale, int dtype, int nthreads);
+#endif
