@@ -93,7 +93,7 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             rope=self.rope,
             keep=None,
-            decode_only=len(ids) == len(scheduled),  # one new token per sequence (all of them sampled)
+            decode_only=all(n == 1 for _, n in scheduled),  # one new token per sequence (all of them sampled)
         )
         if len(logit_rows) < len(ids):
             meta.decode_only = False

@@ -30,8 +30,10 @@ HERE = Path(__file__).resolve().parent
 # -fno-strict-aliasing: the bf16 kernels widen bf16 to fp32 by writing the bits of a float buffer.
 # -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off; the kernels that must round
 # like torch turn them off per function); -fno-math-errno: floorf etc. inline and vectorise.
+# -Wl,-Bsymbolic: a library's calls into its own files (cpu_decode_layers into the GEMM, ...) bind
+# to its own definitions, never to a same-named symbol another loaded library exports.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=fast",
-          "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
+          "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-Wl,-Bsymbolic"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 # Libraries built from more than their own file: the other kernels' sources they call into
 # (compiled into the same library, each file its own translation unit).

@@ -2,10 +2,11 @@
  *
  * Why: a decode step runs 30 layers x ~10 kernels, each a small product or a pass over a few
  * dozen rows. Launched one by one from Python, the launchers' checks, allocations and ctypes
- * calls cost ~280 us per layer on the 2-core Zen 4 here: 1.6 of a 10.6 s benchmark run's decode
- * steps were spent outside the kernels. Here the same kernels (linked into this library from
- * their own files) run in the same order on the same buffers as engine/models/llama.py's
- * modules, so the result is the same bits; only the Python between them is gone.
+ * calls cost ~280 us per layer on the 2-core Zen 4 here: 1.58 of a benchmark run's 11.26 s of
+ * decode steps were spent outside the kernels. Here the same kernels (linked into this library
+ * from their own files) run in the same order, on the same shapes and strides, as
+ * engine/models/llama.py's modules, so the result is the same bits; only the Python between them
+ * is gone.
  *
  * Per layer: h, res = rmsnorm(x + res); qkv = h @ Wqkv (+ b); q, k = rotary(q, k);
  * write k, v to the paged caches; a = attention(q); o = a @ Wo; h, res = rmsnorm(o + res);

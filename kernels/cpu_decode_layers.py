@@ -15,9 +15,10 @@ import torch
 
 from kernels import cpu_build, cpu_gemm
 
-_ERRORS = {-1: "out of memory", -101: "GEMM out of memory", -201: "a position lies outside the rotary table",
-           -302: "a slot lies outside the KV cache", -401: "decode attention out of memory",
-           -402: "a block id lies outside the KV cache", -403: "a sequence length lies outside its block table"}
+_ERRORS = {-1: "out of memory", -101: "GEMM out of memory", -104: "SwiGLU columns are not whole panels",
+           -201: "a position lies outside the rotary table", -302: "a slot lies outside the KV cache",
+           -401: "decode attention out of memory", -402: "a block id lies outside the KV cache",
+           -403: "a sequence length lies outside its block table"}
 
 
 class _Dims(ctypes.Structure):
@@ -72,9 +73,10 @@ class DecodeLayers:
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """x [B, H] fp32 embeddings of B decode rows (one token each) -> final-normed hidden [B, H]."""
         d = self.dims
-        m = x.shape[0]
         if x.dim() != 2 or x.shape[1] != d.hidden or not _fp32(x):
-            raise ValueError(f"x must be a contiguous CPU float32 [B, {d.hidden}] tensor, got {tuple(x.shape)} {x.dtype}")
+            raise ValueError(f"x must be a contiguous CPU float32 [B, {d.hidden}] tensor, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        m = x.shape[0]
         if rope.shape != (d.max_pos, d.hd) or not _fp32(rope):
             raise ValueError(f"rope table {tuple(rope.shape)} {rope.dtype}: expected fp32 [{d.max_pos}, {d.hd}]")
         pos, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
@@ -97,8 +99,8 @@ def build(layers: list[dict], final_norm: torch.Tensor, *, num_heads: int, num_k
           eps: float, scale: float, max_pos: int) -> DecodeLayers | None:
     """layers: per layer a dict of ln1, ln2 (norm weights), qkv, o, gate_up, down (cpu_gemm.PackedWeight),
     k_cache, v_cache ([blocks, bs, kv heads, head_dim]). None when the C stack cannot run them."""
-    if not layers or _kernel() is None or not _fp32(final_norm):
-        return None
+    if not layers or _kernel() is None or not _fp32(final_norm) or num_heads % num_kv_heads or head_dim % 2:
+        return None  # (GQA groups and rotary halves: the module path's kernels refuse these with an error)
     hidden = final_norm.shape[0]
     cache_shape = layers[0]["k_cache"].shape
     qkv_n = (num_heads + 2 * num_kv_heads) * head_dim

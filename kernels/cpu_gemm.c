@@ -144,9 +144,10 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
     }
 }
 
-/* Panels (own weight's) per thread split, and the next product's: the share of the next weight
- * that the thread starting at panel p0 of this one will take (threads split both in proportion),
- * its first PANEL_GROUP panels (SwiGLU: a gate panel and its up panel). */
+/* The next product's panels where the thread starting at panel p0 of this one will most likely
+ * start (threads split both in proportion; where the rounding or the thread count differs it is a
+ * panel off or a share off, which costs a wasted prefetch, never a wrong result), its first
+ * PANEL_GROUP panels (SwiGLU: a gate panel and its up panel). */
 static const float *next_panels(const gemm_t *g, int64_t p0, int64_t *rows, int64_t *pair, int64_t *pair_k) {
     const gemm_next_t *nx = g->next;
     const int64_t own = g->glu ? g->glu : (g->n + NR - 1) / NR, total = nx->glu ? nx->n / NR : (nx->n + NR - 1) / NR;

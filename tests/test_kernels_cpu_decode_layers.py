@@ -57,11 +57,8 @@ def _both_paths(runner, scheduled):
     return fused, modules, fused_caches, [t for kv in runner.kv_caches for t in kv]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
-def test_the_stack_gives_the_module_paths_bits(fixture, request):
-    runner = _runner(request.getfixturevalue(fixture))
-    seqs = _prefilled(runner, [5, 16, 31, 47])  # the 16- and 47-token ones start a new block next
-    for step in range(3):
+def _decode_steps_match(runner, seqs, steps=3):
+    for step in range(steps):
         for s in seqs:
             s.token_ids.append(3 + 7 * step + len(s.token_ids))
             s.num_tokens += 1
@@ -72,6 +69,23 @@ def test_the_stack_gives_the_module_paths_bits(fixture, request):
         assert all(torch.equal(a, b) for a, b in zip(fused_caches, module_caches))
         for s in seqs:
             s.num_computed_tokens += 1
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
+def test_the_stack_gives_the_module_paths_bits(fixture, request):
+    runner = _runner(request.getfixturevalue(fixture))
+    # the 16-token one starts a new block at the first step, the 47-token one at the second
+    _decode_steps_match(runner, _prefilled(runner, [5, 16, 31, 47]))
+
+
+def test_the_stack_gives_the_module_paths_bits_on_two_threads(tiny_llama_path):
+    """48 rows: enough work that the GEMMs split their panels between two threads (so each thread
+    prefetches its share of the next product) and attention its rows."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread")
+    runner = _runner(tiny_llama_path, blocks=300)
+    lens = torch.randint(30, 80, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    _decode_steps_match(runner, _prefilled(runner, lens, seed=3), steps=2)
 
 
 def test_a_step_with_a_prompt_chunk_keeps_the_module_path(tiny_llama_path):
@@ -108,8 +122,10 @@ def test_build_declines_what_the_stack_cannot_run(tiny_llama_path):
     assert cpu_decode_layers.build(unpacked, norm, **kw) is None
     biased = cpu_decode_layers.cpu_gemm.PackedWeight(torch.zeros(64, 64), torch.ones(64))
     assert cpu_decode_layers.build([dict(lay, o=biased) for lay in layers], norm, **kw) is None
-    odd = cpu_decode_layers.cpu_gemm.PackedWeight(torch.zeros(64, 2 * 48))  # I = 48: not whole panels
-    assert cpu_decode_layers.build([dict(lay, gate_up=odd) for lay in layers], norm, **kw) is None
+    unfused = cpu_decode_layers.cpu_gemm.PackedWeight(torch.zeros(64, 2 * 128))  # the right shape, but
+    unfused.__dict__["swiglu_fusable"] = False  # as for an I that is not whole panels
+    assert cpu_decode_layers.build([dict(lay, gate_up=unfused) for lay in layers], norm, **kw) is None
+    assert cpu_decode_layers.build(layers, norm, **kw) is not None  # the real layers still build
     assert cpu_decode_layers.build([], norm, **kw) is None
 
 

@@ -231,6 +231,9 @@ class LlamaForCausalLM(nn.Module):
         key = getattr(self, "_stack_key", (None, None, None))  # the objects themselves: ids can be reused
         if key[0] is not kern or key[1] is not kv_caches or key[2] != meta.rope.shape[0]:
             build = getattr(kern, "decode_layers", None)
+            norms = [n for l in self.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
+            if any(n.eps != self.model.norm.eps for n in norms):  # the stack takes one eps
+                build = None
             self._stack_key = (kern, kv_caches, meta.rope.shape[0])
             self._stack = None if build is None else build(
                 [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
@@ -238,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
                       gate_up=l.mlp.gate_up.packed_weight(), down=l.mlp.down_proj.packed_weight(),
                       k_cache=kv[0], v_cache=kv[1]) for l, kv in zip(self.model.layers, kv_caches)],
                 self.model.norm.weight, num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads,
-                head_dim=self.args.head_dim, eps=self.args.rms_norm_eps,
+                head_dim=self.args.head_dim, eps=self.model.norm.eps,
                 scale=self.model.layers[0].self_attn.scale, max_pos=meta.rope.shape[0])
         return self._stack
 
