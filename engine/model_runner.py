@@ -93,10 +93,10 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             rope=self.rope,
             keep=None,
-            decode_only=all(n == 1 for _, n in scheduled),  # one new token per sequence (all of them sampled)
+            # one new token per sequence, every one of them sampled
+            decode_only=len(logit_rows) == len(ids) == len(scheduled),
         )
         if len(logit_rows) < len(ids):
-            meta.decode_only = False
             sel = torch.tensor(logit_seqs, dtype=torch.long, device=dev)
             meta.keep = SimpleNamespace(
                 rows=torch.tensor(logit_rows, dtype=torch.long, device=dev), block_tables=meta.block_tables.index_select(0, sel),

@@ -34,6 +34,9 @@ typedef struct {
     float eps, scale;
 } dims_t;
 
+/* Columns of the fused q | k | v product. */
+static inline int64_t qkv_cols(const dims_t *d) { return (d->nh + 2 * d->nkv) * d->hd; }
+
 /* The step's activations: one allocation, rows of each buffer contiguous. */
 typedef struct {
     float *res[2], *h, *qkv, *q, *k, *attn, *act, *x; /* res: ping-pong (rms_norm reads one, writes the other) */
@@ -48,7 +51,7 @@ static float *carve(float **p, int64_t n) {
 static int attention_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t m, const int64_t *pos,
                            const float *rope, const int64_t *slots, const int32_t *tables, int64_t width,
                            const int32_t *lens, int nt) {
-    const int64_t qkv_n = (d->nh + 2 * d->nkv) * d->hd, qn = d->nh * d->hd, kn = d->nkv * d->hd;
+    const int64_t qkv_n = qkv_cols(d), qn = d->nh * d->hd, kn = d->nkv * d->hd;
     const gemm_next_t o = {l->o, qn, d->hidden, 0};
     int rc = gemm_packed_then(b->h, l->qkv, l->qkv_bias, b->qkv, m, d->hidden, qkv_n, d->hidden, qkv_n, &o, nt);
     if (rc) return DL_ERR_GEMM + rc;
@@ -68,7 +71,7 @@ static int attention_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t
 
 /* `next`: the following layer, or NULL after the last one. */
 static int mlp_block(const dims_t *d, const layer_t *l, const layer_t *next, bufs_t *b, int64_t m, int nt) {
-    const int64_t H = d->hidden, qkv_n = (d->nh + 2 * d->nkv) * d->hd;
+    const int64_t H = d->hidden, qkv_n = qkv_cols(d);
     const gemm_next_t down = {l->down, d->inter, H, 0}, qkv = {next ? next->qkv : 0, H, qkv_n, 0};
     int rc = gemm_packed_swiglu_then(b->h, l->gate_up, b->act, m, H, d->inter, H, d->inter, &down, nt);
     if (rc) return DL_ERR_GEMM + rc;
@@ -80,7 +83,7 @@ static int mlp_block(const dims_t *d, const layer_t *l, const layer_t *next, buf
 int decode_layers(const dims_t *d, const layer_t *layers, const float *final_norm, const float *x, float *out,
                   int64_t m, const int64_t *pos, const float *rope, const int64_t *slots, const int32_t *tables,
                   int64_t width, const int32_t *lens, int nt) {
-    const int64_t H = d->hidden, qkv_n = (d->nh + 2 * d->nkv) * d->hd;
+    const int64_t H = d->hidden, qkv_n = qkv_cols(d);
     const int64_t sizes[] = {H, H, H, qkv_n, d->nh * d->hd, d->nkv * d->hd, d->nh * d->hd, d->inter, H};
     enum { NBUF = sizeof(sizes) / sizeof(sizes[0]) };
     int64_t total = 0;

@@ -43,6 +43,10 @@ typedef struct {
     const gemm_next_t *next; /* NULL, or when threads split panels: prefetched as this one ends */
 } gemm_t;
 
+/* Panels of a weight with n output columns, counted as the loops step over them: SwiGLU (glu) runs
+ * gate panel p with up panel p + n / NR, so only the n / NR gate panels lead. */
+static inline int64_t panels_of(int64_t n, int64_t glu) { return glu ? n / NR : (n + NR - 1) / NR; }
+
 /* The m rows of a block go in ceil(m / 6) tiles of nearly equal height (tile t: rows
  * [tile_start(t), tile_start(t + 1))): 20 rows as 5 + 5 + 5 + 5, not 6 + 6 + 6 + 2, whose last
  * tile does a third of the work at a much lower rate (its B loads are shared by two rows). */
@@ -150,10 +154,9 @@ static void group_rows(const gemm_t *g, int64_t p, int64_t np, int64_t r0, int64
  * PANEL_GROUP panels (SwiGLU: a gate panel and its up panel). */
 static const float *next_panels(const gemm_t *g, int64_t p0, int64_t *rows, int64_t *pair, int64_t *pair_k) {
     const gemm_next_t *nx = g->next;
-    const int64_t own = g->glu ? g->glu : (g->n + NR - 1) / NR, total = nx->glu ? nx->n / NR : (nx->n + NR - 1) / NR;
-    const int64_t q0 = total * p0 / own;
+    const int64_t total = panels_of(nx->n, nx->glu), q0 = total * p0 / panels_of(g->n, g->glu);
     if (q0 >= total) return 0;
-    *pair = nx->glu ? nx->n / NR : 0;
+    *pair = nx->glu ? total : 0;
     *pair_k = nx->k;
     *rows = (nx->glu ? 2 : (total - q0 < PANEL_GROUP ? total - q0 : PANEL_GROUP)) * nx->k;
     return nx->wp + q0 * nx->k * NR;
@@ -198,7 +201,7 @@ static int by_panels(const void *arg, int64_t lo, int64_t hi) {
 static int by_rows(const void *arg, int64_t lo, int64_t hi) {
     const gemm_t *g = (const gemm_t *)arg;
     const int64_t m1 = hi * TILE_ROWS < g->m ? hi * TILE_ROWS : g->m;
-    return block(g, lo * TILE_ROWS, m1, 0, g->glu ? g->glu : (g->n + NR - 1) / NR);
+    return block(g, lo * TILE_ROWS, m1, 0, panels_of(g->n, g->glu));
 }
 
 /* Rows per packed block, whole tiles: half the L2 cache's worth of x (sysconf; 512 KB if unknown). */
@@ -216,7 +219,7 @@ static int64_t row_block(int64_t k) {
 int gemm_panel_width(void) { return NR; }
 
 static int run(gemm_t *g, int nthreads) {
-    const int64_t np = g->glu ? g->glu : (g->n + NR - 1) / NR, tiles = tile_count(g->m);
+    const int64_t np = panels_of(g->n, g->glu), tiles = tile_count(g->m);
     const int split_rows = tiles >= ROW_SPLIT_TILES * nthreads;
     g->mc = row_block(g->k);
     g->kc = split_rows ? KC_ROWS : KC;

@@ -101,15 +101,7 @@ def test_a_step_with_a_prompt_chunk_keeps_the_module_path(tiny_llama_path):
 
 
 def _stack_inputs(runner):
-    m = runner.model
-    layers = [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
-                   qkv=l.self_attn.qkv.packed_weight(), o=l.self_attn.o_proj.packed_weight(),
-                   gate_up=l.mlp.gate_up.packed_weight(), down=l.mlp.down_proj.packed_weight(), k_cache=k, v_cache=v)
-              for l, (k, v) in zip(m.model.layers, runner.kv_caches)]
-    a = m.args
-    kw = dict(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, eps=a.rms_norm_eps,
-              scale=a.head_dim ** -0.5, max_pos=runner.rope.shape[0])
-    return layers, m.model.norm.weight, kw
+    return runner.model.decode_stack_spec(runner.kv_caches, runner.rope.shape[0])
 
 
 def test_build_declines_what_the_stack_cannot_run(tiny_llama_path):

@@ -223,6 +223,18 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual, kern)
         return x
 
+    def decode_stack_spec(self, kv_caches, max_pos: int) -> tuple[list[dict], torch.Tensor, dict]:
+        """What a backend's decode_layers builder takes: per layer its norm weights, packed weights
+        and KV caches; the final norm's weight; the shapes, eps, attention scale and rope length."""
+        layers = [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
+                       qkv=l.self_attn.qkv.packed_weight(), o=l.self_attn.o_proj.packed_weight(),
+                       gate_up=l.mlp.gate_up.packed_weight(), down=l.mlp.down_proj.packed_weight(),
+                       k_cache=kv[0], v_cache=kv[1]) for l, kv in zip(self.model.layers, kv_caches)]
+        a = self.args
+        return layers, self.model.norm.weight, dict(
+            num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, eps=self.model.norm.eps,
+            scale=self.model.layers[0].self_attn.scale, max_pos=max_pos)
+
     def _decode_stack(self, kern, kv_caches, meta):
         """The backend's one-call decoder stack for pure-decode steps (kern.decode_layers, optional;
         None where the backend has none or cannot run these layers), built once per backend and KV
@@ -235,14 +247,11 @@ class LlamaForCausalLM(nn.Module):
             if any(n.eps != self.model.norm.eps for n in norms):  # the stack takes one eps
                 build = None
             self._stack_key = (kern, kv_caches, meta.rope.shape[0])
-            self._stack = None if build is None else build(
-                [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
-                      qkv=l.self_attn.qkv.packed_weight(), o=l.self_attn.o_proj.packed_weight(),
-                      gate_up=l.mlp.gate_up.packed_weight(), down=l.mlp.down_proj.packed_weight(),
-                      k_cache=kv[0], v_cache=kv[1]) for l, kv in zip(self.model.layers, kv_caches)],
-                self.model.norm.weight, num_heads=self.args.num_heads, num_kv_heads=self.args.num_kv_heads,
-                head_dim=self.args.head_dim, eps=self.model.norm.eps,
-                scale=self.model.layers[0].self_attn.scale, max_pos=meta.rope.shape[0])
+            if build is None:
+                self._stack = None
+            else:
+                layers, final_norm, kw = self.decode_stack_spec(kv_caches, meta.rope.shape[0])
+                self._stack = build(layers, final_norm, **kw)
         return self._stack
 
     def compute_logits(self, hidden, kern):
