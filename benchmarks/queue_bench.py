@@ -27,6 +27,7 @@ import uuid  # noqa: E402
 
 from benchmarks.workload import build_workload, workload_stats  # noqa: E402
 from producer import Client  # noqa: E402
+from schemas.connection import delete_prefix  # noqa: E402
 
 
 def engine_opts(a) -> dict:
@@ -57,7 +58,7 @@ def run_in_process(llm, work) -> dict:
 
 
 def start_worker(a, model, url: str, prefix: str, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "workers.cli", "worker", "--model", str(model), "--redis", url,
+    cmd = [sys.executable, "-m", "workers.cli.main", "worker", "--model", str(model), "--redis", url,
            "--prefix", prefix, "--name", "bench", "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", a.dtype,
            "--heartbeat-s", "0.5", "--drain-timeout", "0", "--log-level", "WARNING"]
@@ -81,7 +82,7 @@ def run_through_redis(client: Client, work) -> dict:
              for w in work]
     t0 = time.perf_counter()
     jobs = client.submit_many(specs)
-    results = [j.result(timeout=3600) for j in jobs]
+    results = [j.result(timeout=3600, raise_on_error=False) for j in jobs]
     dt = time.perf_counter() - t0
     bad = [r.error for r in results if r.error]
     if bad:
@@ -196,7 +197,7 @@ def main() -> int:
     print("workload:", json.dumps(workload_stats(work)), flush=True)
     server = None
     if not a.redis:
-        from workers.embedded import start_server
+        from workers.integrations.embedded import start_server
 
         server = start_server()
     client = Client(a.redis or server.url, f"bench-{uuid.uuid4().hex[:8]}")
@@ -226,9 +227,7 @@ def main() -> int:
 
 
 def _drop(client: Client) -> None:
-    keys = list(client.redis.scan_iter(match=f"{client.keys.prefix}:*", count=1000))
-    for i in range(0, len(keys), 500):
-        client.redis.delete(*keys[i:i + 500])
+    delete_prefix(client.redis, client.keys.prefix)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,28 @@ def run_engine(path, dtype, reqs, args):
     return dt, toks, gens, stats
 
 
+def run_modes(args) -> int:
+    import tempfile
+
+    from benchmarks import quant_modes
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; copy bandwidth "
+          f"{measure_copy_bandwidth() / 1e9:.1f} GB/s", flush=True)
+    if args.modes_dir:  # each run's JSON kept there
+        os.makedirs(args.modes_dir, exist_ok=True)
+        summary = quant_modes.compare(args, args.modes.split(","), args.rounds, args.modes_dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="genpool-modes-") as tmp:
+            summary = quant_modes.compare(args, args.modes.split(","), args.rounds, tmp)
+    print(quant_modes.table(summary))
+    print(quant_modes.quality_table(summary))
+    print("CPU features:", ", ".join(next(iter(summary.values()))["cpu_features"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(modes=summary, args=vars(args), loadavg_end=os.getloadavg()), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -152,8 +174,14 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-engine", action="store_true", help="skip (c)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write results to this file")
+    ap.add_argument("--modes", default=None, help="weight modes side by side instead of the systems above, e.g. "
+                    "fp32,bf16,int8,q4_1 (benchmarks/quant_modes.py: one process per mode and round)")
+    ap.add_argument("--rounds", type=int, default=2, help="with --modes: runs per mode, order reversed each round")
+    ap.add_argument("--modes-dir", default=None, help="with --modes: keep each run's JSON in this directory")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.modes:
+        return run_modes(args)
 
     from transformers import AutoTokenizer
 

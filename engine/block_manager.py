@@ -7,6 +7,18 @@ Prefix caching: a full block is identified by a chain hash of (parent block hash
 so a hit on block i implies the whole prefix up to block i matches. Hits are verified against the
 stored parent hash and tokens, so a hash collision can never serve wrong K/V. Freed blocks that
 carry a hash stay cached until a new allocation needs them (least recently freed first).
+
+The invariant (what the three "Invariant:" notes in this file and scheduler.py keep): a block
+becomes findable when allocate_slots hands it out for tokens whose K/V are written THIS step,
+before they exist, so that identical prompts admitted in one step share the blocks being written.
+That is sound while every hashed block either holds its K/V or is written by its owner in the
+current step. Every scheduled row is written before any row attends (the runner writes each
+layer's K/V first), so only one event breaks it: preempting a sequence in the step it was
+scheduled. Then (1) free() forgets the hashes of its never-computed blocks, (2) the scheduler looks
+prefixes up again after each preemption, and (3) sequences that adopted those blocks this step are
+preempted with it. Registering hashes only after the step (vLLM V1 registers at allocation too)
+would remove all three but lose same-step sharing (tests/engine/test_scheduler.py:
+test_identical_prompts_in_one_step_share_the_blocks_being_written).
 """
 from __future__ import annotations
 
@@ -26,7 +38,20 @@ class Block:
 
 
 def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    # hash() of a tuple of ints does not depend on PYTHONHASHSEED (only str/bytes hashes are
+    # salted), so every worker process of one Python version computes the same chain: the
+    # prefix index (workers/prefix_index.py) compares hashes across workers.
     return hash((parent_hash, token_ids))
+
+
+def prompt_block_hashes(token_ids, block_size: int) -> list[int]:
+    """The chain hashes find_cached_blocks would look up for this prompt (full blocks, never
+    covering the last token), in order."""
+    out, parent = [], NO_PARENT
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = chain_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
 
 
 class BlockManager:
@@ -57,9 +82,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache lookup ---------------------------------------------------------------
-    def find_cached_blocks(self, token_ids: list[int]) -> list[int]:
+    def find_cached_blocks(self, token_ids: list[int], hashes: list[int] | None = None) -> list[int]:
         """Longest chain of cached full blocks for this prefix, never covering the last token
-        (its logits must be computed). Pure lookup: the scheduler records stats on success."""
+        (its logits must be computed). Pure lookup: the scheduler records stats on success.
+        `hashes`: the prompt's prompt_block_hashes when the caller has them (not hashed again)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -68,7 +94,7 @@ class BlockManager:
         parent = NO_PARENT
         for i in range(usable):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, toks)
+            h = hashes[i] if hashes is not None else chain_hash(parent, toks)
             bid = self._hash_to_block.get(h)
             if bid is None:
                 break
@@ -78,6 +104,12 @@ class BlockManager:
             hits.append(bid)
             parent = h
         return hits
+
+    def cached_hashes(self, limit: int) -> list[int]:
+        """Up to `limit` hashes of cached full blocks (in use or free-but-cached), most recently
+        registered last: what this worker publishes to the prefix index."""
+        hashes = list(self._hash_to_block)
+        return hashes[-limit:] if len(hashes) > limit else hashes
 
     def record_prefix_query(self, num_tokens: int, num_hit_blocks: int) -> None:
         """Prefix-cache stats in tokens, as vLLM counts them."""
@@ -173,10 +205,9 @@ class BlockManager:
 
     def free(self, seq) -> None:
         """Drop seq's references; tail blocks first so they are evicted before shared prefixes."""
-        # Fix: allocate_slots registers a block's hash before its K/V is written. A sequence
-        # preempted in the very step it was scheduled frees blocks registered for tokens that
-        # were never computed (index >= num_computed // block_size); kept cached they would later
-        # serve garbage K/V. Forget those hashes (after a normal step no such block exists).
+        # Invariant (1), see the module docstring: a sequence preempted in the step it was
+        # scheduled frees blocks hashed for tokens never computed (index >= num_computed //
+        # block_size); kept cached they would serve garbage K/V. After a normal step none exist.
         for bid in seq.block_table[seq.num_computed_tokens // self.block_size:]:
             if self.blocks[bid].hash is not None:
                 self._evict(bid)

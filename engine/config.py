@@ -1,34 +1,72 @@
-"""Engine configuration: one dataclass, validated once."""
+"""Engine configuration: one dataclass, validated once.
+
+Every field carries its help text in `field(metadata=...)`; `genpool worker` and `LLM(...)` take
+their engine options from these fields (engine/config_args.py), so a new field is an option at once.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
-import torch
+# names -> torch dtype attribute; torch is imported only where a dtype object is needed, so the CLI
+# can build its options from this module cheaply
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+KERNEL_BACKENDS = ("auto", "cpu", "torch", "triton")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+QUANTIZATIONS = ("int8", "gguf", "awq")  # engine/models/quant.py loads each
+
+def _opt(help: str, **extra) -> dict:
+    return {"help": help, **extra}
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int = 2 << 30  # bytes of K/V on the CPU when num_kv_blocks is not given
-    gpu_memory_utilization: float = 0.85  # fraction of GPU memory for weights + KV on CUDA
-    max_model_len: int | None = None
-    kernel_backend: str = "auto"  # "torch" | "cpu" | "triton" | "auto"
-    num_threads: int | None = None  # torch intra-op threads on the CPU
-    seed: int = 0
+    model: str = field(metadata=_opt("registry name (e.g. smollm2-135m; `genpool models list`) or local HF "
+                                     "checkpoint dir (required, no default)"))
+    dtype: str = field(default="float32", metadata=_opt("weights and KV cache dtype", choices=tuple(DTYPES)))
+    device: str = field(default="auto", metadata=_opt(
+        "auto|cpu|cuda|cuda:N (auto: CUDA when torch sees a GPU, else the CPU)"))
+    block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block (a power of two)"))
+    max_num_seqs: int = field(default=64, metadata=_opt("sequences in one batch at most"))
+    max_num_batched_tokens: int = field(default=1024, metadata=_opt(
+        "tokens per step at most (prefill chunks + decodes share it)"))
+    enable_prefix_caching: bool = field(default=True, metadata=_opt(
+        "reuse the KV blocks of identical prompt prefixes", off_aliases=("--no-prefix-caching",)))
+    num_kv_blocks: int | None = field(default=None, metadata=_opt(
+        "KV-cache blocks (default: from --kv-cache-memory on the CPU, --gpu-memory-utilization on CUDA)"))
+    kv_cache_memory: int | None = field(default=None, metadata=_opt(
+        "bytes of K/V on the CPU when --num-kv-blocks is not given (default: the model's need, "
+        "max_num_seqs full contexts, at most a quarter of the available memory and 2 GiB)"))
+    gpu_memory_utilization: float = field(default=0.85, metadata=_opt(
+        "fraction of GPU memory for weights + KV on CUDA when --num-kv-blocks is not given"))
+    max_model_len: int | None = field(default=None, metadata=_opt(
+        "tokens per sequence at most (default: the model's max_position_embeddings)"))
+    kernel_backend: str = field(default="auto", metadata=_opt(
+        "auto: triton on CUDA, cpu (C kernels) on the CPU when a C compiler is present, else torch",
+        choices=KERNEL_BACKENDS))
+    num_threads: int | None = field(default=None, metadata=_opt(
+        "torch intra-op threads on the CPU (default: none: torch's own choice, every core)"))
+    quantization: str | None = field(default=None, metadata=_opt(
+        "int8: quantize the weights at load (per output channel); gguf: load the model's GGUF file "
+        "natively (Q8_0/Q4_0/Q4_1); awq: an AWQ checkpoint (detected from config.json) (default: "
+        "none: the checkpoint's weights as they are, in --dtype; an AWQ checkpoint is still detected)",
+        choices=QUANTIZATIONS))
+    seed: int = field(default=0, metadata=_opt("seed of the sampler's shared generator"))
+    tensor_parallel_size: int = field(default=1, metadata=_opt(
+        "split the model over this many ranks (Megatron-style; CPU: processes on gloo, CUDA: one "
+        "GPU each on NCCL); num_threads is shared out among them"))
+    grammar_compile_timeout_s: float = field(default=30.0, metadata=_opt(
+        "seconds a structured-output grammar may take to compile before its job fails"))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -36,9 +74,28 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError("quantized weights are not supported with tensor_parallel_size > 1 yet: "
+                             "drop --quantization or use --tensor-parallel-size 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
+
+    def resolved_device(self) -> str:
+        """The device the engine runs on: "auto" becomes "cuda" when torch sees a GPU, else "cpu"."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

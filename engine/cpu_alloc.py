@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
 import os
 
 log = logging.getLogger(__name__)
@@ -38,3 +40,51 @@ def tune_malloc() -> bool:
     _done = ok
     log.debug("mallopt mmap/trim thresholds %s", "set" if ok else "refused")
     return ok
+
+
+def trim_heap() -> bool:
+    """Give freed heap memory back to the kernel (glibc malloc_trim). tune_malloc() stops glibc
+    from trimming on its own, so call this after phases that free much at once: the loaded
+    weights once packed, the activations of a large prefill once the engine goes idle."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
+def lazy_zeros(shape: tuple, dtype):
+    """A zero tensor whose pages the kernel provides on first write (an anonymous mapping): a KV
+    cache reserved for the worst case costs resident memory only as far as it is used.
+    torch.zeros would write, and so make resident, every page at once."""
+    import torch
+
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(n, 1))  # the tensor keeps a reference to it
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+KV_FREE_FRACTION = 0.25  # of the memory available at start
+KV_CAP = 2 << 30
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo (0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def default_kv_budget(need_bytes: int) -> int:
+    """KV bytes when the caller gave none: what the model can use at most (max_num_seqs full
+    contexts), but no more than a quarter of the memory available now and never over 2 GiB."""
+    avail = mem_available()
+    machine = int(avail * KV_FREE_FRACTION) if avail else KV_CAP
+    return max(1, min(need_bytes, machine, KV_CAP))

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one scheduler -> model runner -> sampler step at a time, deltas out."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -8,16 +9,21 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_alloc import trim_heap
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestError, RequestOutput
+from engine.protocol import EngineStats
 from engine.request import Request
 from engine.sampler import SampleRow, Sampler, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.scheduler import SampledToken, Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.startup import StartLog
+from engine.structured import StructuredOutputs
 from engine.tokenizer import load_tokenizer, read_eos_ids
 
 log = logging.getLogger("genpool.engine")
+TRIM_AFTER_TOKENS = 512
 
 
 class LLMEngine:
@@ -26,25 +32,45 @@ class LLMEngine:
         from engine.models.loader import load_config
         from engine.models.registry import resolve_model
 
+        config = dataclasses.replace(config, device=config.resolved_device())  # "auto" decided once
         self.config = config
         if config.num_threads and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
+        self.startup = StartLog()
         self.model_path = resolve_model(config.model)
+        self.startup.phase("model resolved", str(self.model_path))
         args, _ = load_config(self.model_path)
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = read_eos_ids(self.model_path, args, self.tokenizer)
-        self.runner = ModelRunner(config, self.model_path, self.max_model_len)
+        self.startup.phase("tokenizer loaded", f"vocab {args.vocab_size}")
+        runner_cls = ModelRunner
+        if config.tensor_parallel_size > 1:  # rank 0 here; ranks 1.. in their own processes
+            from engine.tp_runner import LeaderRunner as runner_cls
+        self.runner = runner_cls(config, self.model_path, self.max_model_len, startup=self.startup)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(make_generator(config.seed))
+        self.structured = StructuredOutputs(self.tokenizer, self.runner.args.vocab_size,
+                                            self.eos_token_ids[0], config.grammar_compile_timeout_s)
+        self.scheduler.is_ready = self.structured.is_ready  # constrained jobs wait for their grammar
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._failed: list[RequestOutput] = []  # requests the engine failed this step
         self._counters = dict(prompt_tokens_total=0, generation_tokens_total=0, step_count=0,
                               decode_steps=0, decode_time_total=0.0, requests_finished=0)
+        self._big_steps = False  # a step of >= TRIM_AFTER_TOKENS tokens ran since the last trim
+        self.startup.done()
+
+    def describe(self) -> str:
+        """Device, dtype, kernel backend and KV capacity, for the one line a worker logs at start."""
+        r, bm = self.runner, self.block_manager
+        return (f"device={r.device} dtype={self.config.dtype} kernels={r.kern.name} "
+                f"kv_blocks={bm.num_blocks}x{bm.block_size} ({bm.num_blocks * bm.block_size} tokens, "
+                f"{bm.num_blocks * r.bytes_per_block / 2**20:.0f} MiB) max_model_len={self.max_model_len}")
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -83,14 +109,22 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self.encode_prompt(prompt)
         self._check_prompt(ids)
+        vocab = self.runner.args.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
+                             f"{max(params.stop_token_ids)}")
         room = self.max_model_len - len(ids)
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
+        if params.structured_outputs is not None:
+            params.structured_outputs.key  # noqa: B018 -- bad JSON text fails here, at once
         req = Request(request_id, text, ids, params, priority, arrival_time)
         seq = self._new_seq(req, 0)
         seq.pending_forks = params.n - 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self.structured.track(seq)  # compiles in the background; seq waits until it is ready
         self._counters["prompt_tokens_total"] += len(ids)
 
     def _new_seq(self, req: Request, index: int, parent: Sequence | None = None) -> Sequence:
@@ -99,6 +133,7 @@ class LLMEngine:
                            req.metrics.arrival_time, index)
         else:
             seq = parent.fork(index)
+            self.structured.fork(parent, seq)  # each sample its own matcher
         if req.params.seed is not None:
             seq.generator = make_generator(req.params.seed + 7919 * index)
         req.seqs.append(seq)
@@ -122,65 +157,171 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> sample -> update (the scheduler's bookkeeping) -> outputs."""
+        for rid, message in self.structured.poll():  # grammars compiled (or refused) since the last step
+            self._fail(rid, RequestError("invalid_request", message))
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return outputs
-        t0 = time.perf_counter()
-        logits = self.runner.execute(sched.scheduled, sched.block_copies)
-        self._note_step_time(sched, time.perf_counter() - t0)
-        sampling = []
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampling.append(seq)
-        rows_logits, seqs = self._expand_forks(logits, sampling)
-        if seqs:
-            tokens, lps = self.sampler(rows_logits, [self._row(s) for s in seqs])
-            outputs.extend(self._process(seqs, tokens, lps))
+            self._release_heap()
+            self.structured.wait_pending(0.01)  # only jobs waiting for a grammar: do not spin
+            return self._take_failed(outputs)
+        masks = self.structured.start_masks(sched.scheduled)  # filled while the model computes
+        n = len(sched.scheduled)
+        logits = self._run(sched)
+        if len(sched.scheduled) != n:  # fault isolation narrowed the batch: renumber mask rows
+            masks = self.structured.start_masks(sched.scheduled)
+        for rid, message in self.structured.apply_masks(masks, logits):
+            self._fail(rid, RequestError("invalid_request", message))
+        sampled = self._sample(logits, sched.sampling)
+        applied = self.scheduler.update(sched, sampled)
+        outputs.extend(self._outputs(applied))
+        if not self.requests:  # the last request just finished: the engine is idle from here on
+            self._release_heap()
+        return self._take_failed(outputs)
+
+    def _take_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        outputs.extend(self._failed)
+        self._failed = []
         return outputs
 
-    def _expand_forks(self, logits: torch.Tensor, sampling: list[Sequence]):
-        """n > 1: once the prompt is computed, fork the children; they share every prompt block
-        (copy-on-write later) and sample from the same logits row."""
-        rows, seqs = [], []
+    def _run(self, sched) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.execute(sched.scheduled, sched.block_copies)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it must not fail the whole batch
+            logits = self._isolate(sched, exc)
+        self._big_steps |= sum(n for _, n in sched.scheduled) >= TRIM_AFTER_TOKENS
+        self._note_step_time(sched, time.perf_counter() - t0)
+        return logits
+
+    def _release_heap(self) -> None:
+        """Idle after large steps: return their freed activation buffers to the system (the
+        allocator is told never to on its own, so busy steps reuse them; engine/cpu_alloc.py)."""
+        if self._big_steps and self.runner.device.type == "cpu":
+            trim_heap()
+        self._big_steps = False
+
+    # -- fault isolation -------------------------------------------------------------------
+    def _isolate(self, sched, exc: Exception) -> torch.Tensor:
+        """The forward pass raised: run the step again in halves until the request(s) that make
+        it fail are alone, fail those, and return the logits of everyone else (sched.scheduled
+        and sched.sampling are narrowed to them). Block copies were applied by the first try;
+        never twice."""
+        log.warning("engine step failed for a batch of %d (%s: %s); isolating the cause",
+                    len(sched.scheduled), type(exc).__name__, exc)
+        parts = self._bisect(sched.scheduled, exc)
+        live = [(seq, n, row) for part, rows in parts for (seq, n), row in zip(part, rows)
+                if seq.request_id in self.requests]
+        sched.scheduled = [(seq, n) for seq, n, _ in live]
+        sched.sampling = [seq for seq, _, row in live if row is not None]
+        sampled = [r for _, _, r in live if r is not None]
+        vocab = self.runner.args.vocab_size
+        return torch.stack(sampled) if sampled else torch.empty(0, vocab)
+
+    def _bisect(self, scheduled: list, exc: Exception | None) -> list:
+        """[(part, [logit row or None per (seq, n)])] for the parts that ran."""
+        if exc is None:
+            try:
+                logits = self.runner.execute(scheduled, [])
+            except Exception as e:  # noqa: BLE001
+                exc = e
+            else:
+                it = iter(logits)
+                rows = [next(it) if seq.num_computed_tokens + n == seq.num_tokens else None
+                        for seq, n in scheduled]
+                return [(scheduled, rows)]
+        if len(scheduled) == 1:
+            seq = scheduled[0][0]
+            log.error("request %s fails the model step on its own: %s: %s", seq.request_id,
+                      type(exc).__name__, exc)
+            self._fail(seq.request_id, RequestError(
+                "internal", f"the model step failed for this request: {type(exc).__name__}: "
+                            f"{exc}"))
+            return []
+        mid = len(scheduled) // 2
+        return self._bisect(scheduled[:mid], None) + self._bisect(scheduled[mid:], None)
+
+    def _fail(self, request_id: str, error: RequestError) -> None:
+        """End one request with an error; the rest of the batch is untouched. Its blocks leave
+        the prefix cache too (seq.num_computed_tokens = 0): their K/V may be what failed."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        log.info("request %s failed: %s", request_id, (error.message or "").split("\n", 1)[0])
+        sch = self.scheduler
+        for seq in req.seqs:
+            if seq.is_finished:
+                continue
+            if seq in sch.running or seq in sch.waiting:
+                seq.num_computed_tokens = 0
+                sch.finish(seq, "abort")
+            else:  # an n > 1 child not joined yet: it holds no block references to free
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        req.error = error
+        self._failed.append(req.delta_output({}))
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[SampledToken]:
+        rows, seqs, parents = self._expand_forks(sampling)
+        if not seqs:
+            return []
+        if len(rows) != logits.shape[0]:  # forks sample from their parent's row
+            logits = logits.index_select(0, torch.tensor(rows))
+        tokens, lps = self.sampler(logits, [self._row(s) for s in seqs])
+        for i, err in self.sampler.row_errors.items():  # non-finite rows: that request alone
+            self._fail(seqs[i].request_id, err)
+        for rid, message in self.structured.accept(seqs, tokens):  # each matcher takes its token
+            self._fail(rid, RequestError("invalid_request", message))
+        return [SampledToken(s, t, lp, fork_of=p) for s, t, lp, p in zip(seqs, tokens, lps, parents)
+                if s.request_id in self.requests]
+
+    def _expand_forks(self, sampling: list[Sequence]):
+        """n > 1: once the prompt is computed, split the children off (the scheduler's update gives
+        them the parent's blocks); they sample from the parent's logits row."""
+        rows, seqs, parents = [], [], []
         for i, seq in enumerate(sampling):
             rows.append(i)
             seqs.append(seq)
+            parents.append(None)
             while seq.pending_forks:
                 req = self.requests[seq.request_id]
                 child = self._new_seq(req, req.params.n - seq.pending_forks, parent=seq)
                 seq.pending_forks -= 1
-                self.block_manager.fork(seq, child)
-                self.scheduler.add_running(child)
                 rows.append(i)
                 seqs.append(child)
-        if len(rows) == logits.shape[0]:  # no fork this step: rows are 0..N-1 already
-            return logits, seqs
-        return logits.index_select(0, torch.tensor(rows)), seqs
+                parents.append(seq)
+        return rows, seqs, parents
 
     def _row(self, seq: Sequence) -> SampleRow:
         eos = None if seq.params.ignore_eos else self.eos_token_ids[0]
         return SampleRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, eos)
 
-    def _process(self, seqs, tokens, lps) -> list[RequestOutput]:
+    def _outputs(self, applied: list[SampledToken]) -> list[RequestOutput]:
         now = time.monotonic()
         per_req: dict[str, dict[int, CompletionOutput]] = {}
-        for seq, tok, lp in zip(seqs, tokens, lps):
-            req = self.requests.get(seq.request_id)
-            if req is None or seq.is_finished:
+        for s in applied:
+            seq, req = s.seq, self.requests.get(s.seq.request_id)
+            if req is None:  # failed after another of its samples was applied
                 continue
-            seq.append_token(tok)
             self._counters["generation_tokens_total"] += 1
-            if lp is not None:
-                seq.logprobs.append(lp)
+            if s.logprob is not None:
+                seq.logprobs.append(s.logprob)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
-            per_req.setdefault(seq.request_id, {})[seq.index] = self._advance(seq, tok, lp)
+            try:
+                delta = self._detokenize(s)
+            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer bug on one token
+                log.exception("request %s failed after its token %d", seq.request_id, s.token)
+                self._fail(seq.request_id, RequestError(
+                    "internal", f"processing token {s.token} failed: {type(exc).__name__}: {exc}"))
+                continue
+            per_req.setdefault(seq.request_id, {})[seq.index] = delta
         outs = []
         for rid, deltas in per_req.items():
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None:  # failed after another of its samples had a delta
+                continue
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[rid]
@@ -188,30 +329,25 @@ class LLMEngine:
             outs.append(req.delta_output(deltas))
         return outs
 
-    def _advance(self, seq: Sequence, tok: int, lp) -> CompletionOutput:
-        """Detokenize the new token and decide whether the sample is done."""
-        p = seq.params
+    def _detokenize(self, s: SampledToken) -> CompletionOutput:
+        """The new token's text; a stop string ends the sample ("stop" beats the scheduler's "length")."""
+        seq, tok, lp, p = s.seq, s.token, s.logprob, s.seq.params
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop,
                 p.include_stop_str_in_output, min_tokens=p.min_tokens)
-        reason = None
-        if not p.ignore_eos and tok in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
-            reason = "stop"
-            text = ""
-        elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
-            reason, seq.stop_reason = "stop", tok
-            text = ""
-        else:
+        text = ""
+        if s.finish_reason != "stop":  # eos and stop token ids add no text
             text, stop_str = seq.detokenizer.add([tok])
             if stop_str is not None:
-                reason, seq.stop_reason = "stop", stop_str
-        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
+                seq.stop_reason = stop_str
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
             text += seq.detokenizer.flush()  # "" when a stop string already ended the text
-            self.scheduler.finish(seq, reason)
-        return CompletionOutput(seq.index, text, [tok], reason, [lp] if lp is not None else None,
+        return CompletionOutput(seq.index, text, [tok], seq.finish_reason, [lp] if lp is not None else None,
                                 seq.stop_reason)
 
     def _note_step_time(self, sched, dt: float) -> None:
@@ -220,15 +356,16 @@ class LLMEngine:
             self._counters["decode_steps"] += 1
             self._counters["decode_time_total"] += dt
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm, sch, c = self.block_manager, self.scheduler, self._counters
-        return dict(
+        return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting),
             kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size,
             free_seq_slots=max(0, sch.max_num_seqs - len(sch.running) - len(sch.waiting)),
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=sch.num_preemptions, num_requests=len(self.requests),
+            **self.structured.stats(),
             decode_step_time_mean=c["decode_time_total"] / c["decode_steps"] if c["decode_steps"] else None,
             **{k: v for k, v in c.items() if k not in ("decode_time_total",)},
         )

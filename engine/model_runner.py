@@ -6,48 +6,68 @@ token's K/V lives (slot = block_id * block_size + offset).
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
+from engine.attention_metadata import AttentionMetadata, SampledRows
 from engine.config import EngineConfig
-from engine.cpu_alloc import tune_malloc
+from engine.cpu_alloc import default_kv_budget, lazy_zeros, trim_heap, tune_malloc
+from engine.startup import StartLog, mib
 from engine.models.llama import rope_cache
 from engine.models.loader import load_model
 from kernels import get_backend
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_path, max_model_len: int,
+                 startup: StartLog | None = None):
         self.config = config
-        self.device = torch.device(config.device)
+        startup = startup or StartLog()
+        self.device = torch.device(config.resolved_device())
         if self.device.type == "cpu":
             tune_malloc()
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model = load_model(model_path, self.dtype, self.device)
+        self.kern = get_backend(config.kernel_backend, self.device.type)
+        self.model = self._load_model(model_path)
         self.args = self.model.args
-        self.kern = get_backend(config.kernel_backend, config.device)
-        self.model.pack_linears(self.kern)
+        startup.phase("weights loaded", f"{mib(param_bytes(self.model))} {self.dtype}")
         self.rope = rope_cache(self.args, max_model_len).to(self.device)
+        startup.phase("kernels built", f"backend {self.kern.name}, weights packed")
+        if self.device.type == "cpu":
+            trim_heap()  # the loaded copies the packing replaced go back to the system
+        self.max_model_len = max_model_len
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(self._kv_tensor(shape), self._kv_tensor(shape))
                           for _ in range(self.args.num_layers)]
+        startup.phase("KV allocated", f"{self.num_blocks} blocks of {self.block_size} tokens, "
+                      f"{mib(self.num_blocks * self.bytes_per_block)} reserved")
+        # the backend's one-call stack for pure-decode steps (None where it has none), bound to these caches
+        self.decode_stack = self.model.build_decode_stack(self.kv_caches, self.rope.shape[0])
+
+    def _load_model(self, model_path):
+        return load_model(model_path, self.dtype, self.device, self.kern, self.config.quantization)  # (a tensor-parallel rank loads its shard)
 
     @property
     def bytes_per_block(self) -> int:
         a = self.args
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
+    def _kv_tensor(self, shape: tuple) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return lazy_zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
     def _blocks_from_budget(self) -> int:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = int(total * self.config.gpu_memory_utilization) - used - (1 << 30)  # activations
-        else:
+        elif self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
+        else:
+            per_seq = -(-self.max_model_len // self.block_size)
+            budget = default_kv_budget(self.config.max_num_seqs * per_seq * self.bytes_per_block)
         blocks = budget // self.bytes_per_block
         if blocks < 1:
             raise ValueError(f"KV memory budget {budget} bytes holds no {self.bytes_per_block}-byte block")
@@ -63,7 +83,7 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
-    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, SimpleNamespace, list[int]]:
+    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """scheduled: [(seq, num_new)] -> input ids [T], positions [T], attention meta, and the
         flat row of each sequence's last token (for sequences whose step ends its known tokens).
         meta.keep: the last layer's attention meta for those rows alone (one query each; no rows
@@ -86,19 +106,17 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
-        meta = SimpleNamespace(
+        meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             rope=self.rope,
-            keep=None,
-            # one new token per sequence, every one of them sampled
             decode_only=len(logit_rows) == len(ids) == len(scheduled),
         )
         if len(logit_rows) < len(ids):
             sel = torch.tensor(logit_seqs, dtype=torch.long, device=dev)
-            meta.keep = SimpleNamespace(
+            meta.keep = SampledRows(
                 rows=torch.tensor(logit_rows, dtype=torch.long, device=dev), block_tables=meta.block_tables.index_select(0, sel),
                 query_start_loc=torch.arange(len(logit_rows) + 1, dtype=torch.int32, device=dev),
                 seq_lens=meta.seq_lens.index_select(0, sel))
@@ -112,9 +130,14 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows = self.prepare(scheduled)
         # meta.keep None: every row is sampled (one per sequence, in order), so hidden's rows are
         # already the logit rows; otherwise the model returned those rows alone
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.kern)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.decode_stack)
         if hidden.shape[0] != len(logit_rows):  # a model that ignored meta.keep: never pair wrong rows
             raise RuntimeError(f"model returned {hidden.shape[0]} rows for {len(logit_rows)} sampled ones")
         if not logit_rows:
             return torch.empty(0, self.args.vocab_size)
-        return self.model.compute_logits(hidden, self.kern).cpu()
+        return self.model.compute_logits(hidden).cpu()
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's loaded tensors hold (packed copies live with the kernel backend)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

@@ -28,6 +28,15 @@ class RequestMetrics:
 
 
 @dataclass
+class RequestError:
+    """Why the engine failed one request (the rest of its batch ran on). `code` is
+    "invalid_request" (its input or parameters caused it) or "internal" (the engine could not
+    tell); `message` names the cause."""
+    code: str
+    message: str
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -35,3 +44,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: RequestError | None = None  # set (with finished=True) when the engine failed it

@@ -18,6 +18,7 @@ class Request:
         now = time.monotonic()
         self.metrics = RequestMetrics(arrival_time=now if arrival_time is None else arrival_time)
         self.seqs: list[Sequence] = []
+        self.error = None  # engine.outputs.RequestError when the engine failed this request
 
     @property
     def finished(self) -> bool:
@@ -29,7 +30,7 @@ class Request:
         """RequestOutput carrying only what changed this step (for streaming)."""
         outs = [deltas[i] for i in sorted(deltas)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
+                             self.finished, self.metrics, self.error)
 
     def full_output(self) -> RequestOutput:
         """The whole output of every sample so far."""
@@ -40,4 +41,4 @@ class Request:
                 s.index, det.text if det else "", s.output_token_ids, s.finish_reason,
                 list(s.logprobs) if self.params.logprobs is not None else None, s.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics)
+                             self.finished, self.metrics, self.error)

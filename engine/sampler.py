@@ -6,6 +6,10 @@ Logprobs (when asked) come from log_softmax of the RAW logits, before any of the
 
 A row's sampled token depends only on its own logits and its own generator, never on the other
 rows in the batch, so a seeded request gives the same text whatever it is batched with.
+
+Non-finite values (a model that overflowed, parameters that pushed a logit to inf) are caught per
+row: that row gets token -1 and an entry in `Sampler.row_errors`, and every other row is sampled
+as usual, so one poisoned request can never take its batch (or its worker) down with it.
 """
 from __future__ import annotations
 
@@ -13,7 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .outputs import RequestError
 from .sampling_params import SamplingParams
+
+FAILED = -1  # the token of a row that could not be sampled (see Sampler.row_errors)
 
 
 @dataclass
@@ -103,12 +110,22 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
+class _NonFinite(Exception):
+    """A row's processed logits or probabilities went non-finite."""
+
+
+_MODEL_NONFINITE = RequestError("internal", "the model produced non-finite logits (nan or inf) "
+                                            "for this request")
+
+
 class Sampler:
     """`sampler(logits [N, V], rows) -> (token ids, logprob dicts or None)`."""
 
     def __init__(self, generator: torch.Generator | None = None):
         # used by rows without their own generator; None means torch's default generator
         self.generator = generator
+        # row index -> why it got no token (FAILED), for the last call only
+        self.row_errors: dict[int, RequestError] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
@@ -117,17 +134,42 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         logits = logits.float()
         tokens: list[int] = [0] * len(rows)
+        self.row_errors = {}
         plain = [i for i, r in enumerate(rows) if _is_plain_greedy(r)]
         if plain:  # the common case: one argmax for all plain-greedy rows (no copy when that is every row)
-            picked = (logits if len(plain) == len(rows) else logits.index_select(0, _rows(plain, logits))
-                      ).argmax(dim=-1).tolist()
-            for i, t in zip(plain, picked):
-                tokens[i] = t
+            x = logits if len(plain) == len(rows) else logits.index_select(0, _rows(plain, logits))
+            idx = x.argmax(dim=-1)
+            # argmax picks a NaN or +inf when the row has one: checking the picked values alone
+            # finds every non-finite row at the cost of N reads
+            finite = torch.isfinite(x.gather(1, idx.unsqueeze(1))).squeeze(1).tolist()
+            for i, t, ok in zip(plain, idx.tolist(), finite):
+                tokens[i] = t if ok else self._fail(i, _MODEL_NONFINITE)
         plain_set = set(plain)
         for i, row in enumerate(rows):
             if i not in plain_set:
-                tokens[i] = self._sample_row(logits[i].clone(), row)
+                tokens[i] = self._guarded_row(i, logits[i], row)
         return tokens, self._logprobs(logits, rows, tokens)
+
+    def _fail(self, i: int, error: RequestError) -> int:
+        self.row_errors[i] = error
+        return FAILED
+
+    def _guarded_row(self, i: int, raw: torch.Tensor, row: SampleRow) -> int:
+        try:
+            tok = self._sample_row(raw.clone(), row)
+        except _NonFinite:  # the model's fault, or (despite the bounds) the parameters'?
+            if not bool(torch.isfinite(raw).all()):
+                return self._fail(i, _MODEL_NONFINITE)
+            p = row.params
+            return self._fail(i, RequestError("invalid_request", (
+                "the sampling parameters made this request's probabilities non-finite "
+                f"(temperature={p.temperature}, repetition_penalty={p.repetition_penalty}, "
+                f"presence_penalty={p.presence_penalty}, frequency_penalty="
+                f"{p.frequency_penalty})")))
+        except (RuntimeError, ValueError, IndexError) as exc:  # never the whole batch's problem
+            return self._fail(i, RequestError("internal", f"sampling failed for this request: "
+                                                          f"{type(exc).__name__}: {exc}"))
+        return tok
 
     def _sample_row(self, logits: torch.Tensor, row: SampleRow) -> int:
         p = row.params
@@ -137,12 +179,18 @@ class Sampler:
         apply_presence_frequency(logits, row.output_token_ids,
                                  p.presence_penalty, p.frequency_penalty)
         if p.is_greedy:
-            return int(logits.argmax())
+            tok = int(logits.argmax())
+            if not -float("inf") < float(logits[tok]) < float("inf"):
+                raise _NonFinite()
+            return tok
         logits = logits / p.temperature
         logits = apply_top_k(logits, p.top_k)
         logits = apply_top_p(logits, p.top_p)
         logits = apply_min_p(logits, p.min_p)
         probs = torch.softmax(logits, dim=-1)
+        total = float(probs.sum())  # one pass: nan or inf anywhere makes the sum non-finite
+        if not 0.0 < total < float("inf"):
+            raise _NonFinite()
         gen = row.generator if row.generator is not None else self.generator
         if gen is not None and gen.device != probs.device:
             probs = probs.to(gen.device)  # e.g. CUDA logits with a CPU generator
@@ -151,7 +199,8 @@ class Sampler:
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: list[SampleRow], tokens: list[int]
                   ) -> list[dict[int, float] | None]:
-        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        want = [i for i, r in enumerate(rows)
+                if r.params.logprobs is not None and tokens[i] != FAILED]
         out: list[dict[int, float] | None] = [None] * len(rows)
         if not want:
             return out

@@ -10,9 +10,20 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .structured_params import StructuredOutputsParams
+
 # temperatures below this are treated as greedy (float noise around 0)
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Bounds inside which no parameter can push a float32 logit to inf or nan (logits are at most a few
+# hundred in magnitude: x / 0.01 and x * 100 stay far below 3e38), nor ask for absurd work. The
+# wire schema (schemas/request.py) uses the same numbers.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_TEMPERATURE = 100.0
+MAX_N = 128
+MAX_STOP_LEN = 1024  # characters per stop string (checked against the text every token)
+MAX_STOP_STRINGS = 64
+MAX_SEED = 2**63  # exclusive; torch generators take 64-bit seeds
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 
@@ -50,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # engine/structured_params.py
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -90,17 +102,29 @@ class SamplingParams:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+            if len(s) > MAX_STOP_LEN:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters, got "
+                                 f"{len(s)}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         self.stop = stop
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
         self.stop_token_ids = list(ids)
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     def _check_ranges(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -109,6 +133,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
@@ -144,6 +171,8 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
 
     @classmethod

@@ -5,11 +5,18 @@ capped by one shared token budget, so a long prompt is prefilled in chunks along
 and a preempted sequence simply recomputes. Order: lower priority value first, FIFO within one.
 When blocks run out the lowest-priority running sequence is preempted (its blocks freed, its
 tokens recomputed later), so the engine never runs out of memory.
+
+After the model ran and the sampler chose tokens, `update(output, sampled)` does the step's
+bookkeeping: computed tokens advance, n > 1 children join, tokens are appended and eos / stop token /
+length checks finish sequences (stop strings need text: the engine's detokenizer decides those).
+Prefix-cache hashes are registered earlier, when blocks are allocated (see block_manager.py's
+invariant), so that identical prompts admitted in one step share the blocks being written.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -20,6 +27,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # sequences whose step ends their known tokens: their last row's logits are sampled (in order)
+    sampling: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -30,16 +39,32 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class SampledToken:
+    """The token sampled for `seq` this step. `fork_of`: seq is an n > 1 child split off its parent
+    (Sequence.fork) from the parent's logits row this step; update() gives it the parent's blocks."""
+    seq: Sequence
+    token: int
+    logprob: Any = None  # carried for the engine's outputs; the scheduler does not read it
+    fork_of: Sequence | None = None
+    finish_reason: str | None = None  # set by update(): "stop" (eos, stop token id) or "length"
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: tuple[int, ...] | list[int] = (), max_model_len: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.bm = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # False while a sequence may not start yet (its grammar still compiling): it waits
+        self.is_ready: Callable[[Sequence], bool] = lambda seq: True
 
     # -- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -72,7 +97,51 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.block_copies = self.bm.take_pending_copies()
+        out.sampling = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
         return out
+
+    # -- after the step --------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[SampledToken]:
+        """The step ran `out` and sampled `sampled` (out.sampling plus any forked children, in
+        order): advance computed tokens, join the children, append the tokens, finish what stops.
+        Returns the entries applied (a sequence finished in the meantime, by abort, is skipped)."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+        for s in sampled:  # every child joins before any parent can finish (and free its blocks)
+            if s.fork_of is not None:
+                self._join_fork(s.fork_of, s.seq)
+        applied = []
+        for s in sampled:
+            if s.seq.is_finished:
+                continue
+            s.seq.append_token(s.token)
+            s.finish_reason = self.check_stop(s.seq, s.token)
+            if s.finish_reason is not None:
+                self.finish(s.seq, s.finish_reason)
+            applied.append(s)
+        return applied
+
+    def _join_fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child was split off before this step's tokens were counted: it shares the parent's
+        blocks (copy-on-write later) and joins the running set directly."""
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.bm.fork(parent, child)
+        self.add_running(child)
+
+    def check_stop(self, seq: Sequence, token: int) -> str | None:
+        """eos (unless ignore_eos) or a stop token id after min_tokens -> "stop"; max_tokens or the
+        model's length -> "length"; else None. Stop strings are the detokenizer's to find."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or (
+                self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+            return "length"
+        return None
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -92,16 +161,18 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if self.is_ready(s)), None)
+            if seq is None:
+                return
             while len(self.running) >= self.max_num_seqs:
                 refund = self._preempt_lower(seq, out)
                 if refund is None:
                     return
                 budget += refund
             while True:
-                # Fix: look up again after each preemption; a victim preempted in the step it
-                # was scheduled drops its never-computed blocks from the cache (and the budget
-                # grew by the refund), so an earlier lookup may be stale.
+                # Invariant (2), block_manager.py: look up again after each preemption; a victim
+                # preempted in the step it was scheduled drops its never-computed blocks from the
+                # cache (and the budget grew by the refund), so an earlier lookup may be stale.
                 cached = self.bm.find_cached_blocks(seq.token_ids)
                 num_new = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
                 if self.bm.allocate_slots(seq, num_new, cached, self._admission_reserve()):
@@ -132,9 +203,9 @@ class Scheduler:
         victim = max(self.running, key=lambda s: s.sort_key)
         if victim.priority <= seq.priority:
             return None
-        # Fix: the victim may already be scheduled this step, and a sequence admitted after it
-        # may have adopted (prefix hit) a block the victim was going to write this step. With
-        # the victim gone nobody writes that block, so such adopters are preempted too.
+        # Invariant (3), block_manager.py: the victim may already be scheduled this step, and a
+        # sequence admitted after it may have adopted (prefix hit) a block the victim was going to
+        # write this step. With the victim gone nobody writes that block: adopters go too.
         refund = 0
         victims = [victim]
         while victims:

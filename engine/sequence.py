@@ -43,6 +43,7 @@ class Sequence:
         self.pending_forks = 0  # n > 1: children still to fork off after the prompt is computed
         self.generator = None  # per-sample torch.Generator when a seed is given
         self.detokenizer = None
+        self.matcher = None  # llguidance matcher of a constrained sample (engine/structured.py)
         self.logprobs: list[dict[int, float]] = []
         self.first_token_time: float | None = None
         self.num_preemptions = 0

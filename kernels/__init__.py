@@ -8,39 +8,34 @@ C kernels; CPU default when a C compiler is present, else "torch"), "triton" (CU
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
-KERNEL_NAMES = ("write_kv", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "gate_up_silu", "pack_linear",
-                "linear")
+from kernels.backend import DecodeStack, KernelBackend, TorchBackend
 
-
-def _torch_backend() -> SimpleNamespace:
-    from kernels import ref
-    return SimpleNamespace(name="torch", linear_keeps_weight=True, **{n: getattr(ref, n) for n in KERNEL_NAMES})
+__all__ = ["DecodeStack", "KernelBackend", "TorchBackend", "get_backend"]
 
 
-def _triton_backend() -> SimpleNamespace:
-    from kernels.triton_backend import build_backend
-    return build_backend()
+def _triton_backend() -> KernelBackend:
+    from kernels.triton.backend import TritonBackend
+    return TritonBackend()
 
 
-def _cpu_backend(required: bool) -> SimpleNamespace:
-    from kernels.cpu_backend import build_backend
+def _cpu_backend(required: bool) -> KernelBackend:
+    from kernels.cpu.backend import build_backend
     backend = build_backend()
     if backend is None:
         if required:
             raise RuntimeError("kernel backend 'cpu' needs a C compiler (cc/gcc/clang or $CC); see the log")
-        return _torch_backend()
+        return TorchBackend()
     return backend
 
 
-def get_backend(name: str = "auto", device: str = "cpu") -> SimpleNamespace:
-    """Return an object exposing the kernels of docs/design.md's kernel contract."""
+def get_backend(name: str = "auto", device: str = "cpu") -> KernelBackend:
+    """The kernels of docs/design.md's contract (kernels/backend.py's KernelBackend) for `name`."""
     auto = name == "auto"
     if auto:
         name = os.environ.get("GENPOOL_KERNEL_BACKEND") or ("triton" if device.startswith("cuda") else "cpu")
     if name == "torch":
-        return _torch_backend()
+        return TorchBackend()
     if name == "cpu":
         return _cpu_backend(required=not auto)
     if name == "triton":

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.qtensor import QTensor
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -133,14 +135,20 @@ def mixed_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
     return out
 
 
-def pack_linear(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
-    """The reference keeps the loaded layout: W [in, out] (contiguous) and the bias."""
+def pack_linear(weight_t, bias: torch.Tensor | None = None) -> tuple:
+    """The reference keeps the loaded layout: W [in, out] (contiguous) and the bias; a quantized
+    weight (kernels/qtensor.py QTensor [out, in]) is dequantized to that layout."""
+    if isinstance(weight_t, QTensor):
+        dtype = torch.float32 if bias is None else bias.dtype
+        weight_t = weight_t.dequantize().t().contiguous().to(dtype)
     return weight_t, bias
 
 
 def linear(x: torch.Tensor, w: tuple) -> torch.Tensor:
     """x [T, in] @ W [in, out] (+ bias) -> [T, out]; w from pack_linear."""
     weight_t, bias = w
+    if weight_t.dtype != x.dtype:  # a dequantized weight (fp32) under bf16/fp16 activations
+        weight_t, bias = weight_t.to(x.dtype), None if bias is None else bias.to(x.dtype)
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 

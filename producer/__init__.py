@@ -3,7 +3,8 @@ from schemas import JobResult, RestartEvent, TokenEvent
 
 from .aio import AsyncClient, AsyncJob
 from .client import Client, Job
-from .config import key_prefix, redis_url
+from schemas.config import key_prefix, redis_url
+from .errors import JobFailed, NoWorkers, QueueUnavailable
 
-__all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobResult", "RestartEvent", "TokenEvent",
-           "key_prefix", "redis_url"]
+__all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobFailed", "JobResult", "NoWorkers",
+           "QueueUnavailable", "RestartEvent", "TokenEvent", "key_prefix", "redis_url"]

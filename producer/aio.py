@@ -6,7 +6,6 @@ gathering more concurrent commands raises MaxConnectionsError (and is slower any
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator, Optional
 
 import redis
@@ -15,31 +14,41 @@ import redis.asyncio as aredis
 from schemas import TERMINAL, JobResult, Keys
 
 from .client import PIPELINE_CHUNK
-from .config import key_prefix, redis_url
-from .protocol import (CANCEL_LUA, JOB_TTL_S, READ_COUNT, SUBMIT_LUA, backoff, block_ms,
-                       build_request, cancel_args, events_in, last_terminal, submit_args,
-                       terminal_from_hash)
+from schemas.config import key_prefix, redis_url
+from schemas.connection import backoff, connect_async, is_cluster, xread_one
+from .errors import JobFailed
+from .liveness import live_workers_async, serving
+from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
+from schemas.connection import stored_shards
+from schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
 from .replay import Replay
+from .waiting import RECONNECT_S, Watch, final_result
 
-_RETRY = (redis.ConnectionError, redis.TimeoutError)
+# (a cluster's MOVED after a resharding: the next try goes to the key's new node)
+_RETRY = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+          redis.exceptions.TryAgainError, redis.exceptions.MovedError)
 
 
-def _check_cancelled() -> None:
-    """Raise CancelledError if this task was asked to stop: redis-py's asyncio client can swallow a
-    cancel() that lands while a command is being sent (reproduced: ~1 in 8 cancels 0.5-1.5 ms into
-    an XREAD BLOCK, on redis-py with Python 3.11), and the read loop would then go on forever; with
-    this check it stops at its next turn, within one READ_BLOCK_MS. Python 3.10 has no
-    Task.cancelling(); there the gateway's stop_task re-cancels instead."""
-    task = asyncio.current_task()
-    if task is not None and getattr(task, "cancelling", lambda: 0)():
-        raise asyncio.CancelledError()
+async def _cancellable(aw):
+    """Await `aw` in a task of its own behind a shield, so that a cancel of the caller always
+    raises here, at once, even when redis-py would have swallowed it inside its command (then
+    the inner command is cancelled too and its outcome dropped; an XREAD ends within its
+    BLOCK anyway). Seen without it: under CI load two cancels in a row left a reader waiting
+    more than a second."""
+    inner = asyncio.ensure_future(aw)
+    inner.add_done_callback(lambda t: t.cancelled() or t.exception())
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        inner.cancel()
+        raise
 
 
 async def _retrying(fn, attempts: int = 8):
     delays = backoff()
     for i in range(attempts):
         try:
-            return await fn()
+            return await _cancellable(fn())
         except _RETRY:
             if i == attempts - 1:
                 raise
@@ -47,24 +56,45 @@ async def _retrying(fn, attempts: int = 8):
 
 
 class AsyncJob:
-    def __init__(self, client: "AsyncClient", job_id: str, duplicate: bool = False):
-        self.client, self.id, self.duplicate = client, job_id, duplicate
+    """The asyncio twin of producer.client.Job (same errors: JobFailed, NoWorkers,
+    QueueUnavailable; a cancelled job's result keeps its streamed text)."""
+
+    def __init__(self, client: "AsyncClient", job_id: str, duplicate: bool = False,
+                 model: Optional[str] = None):
+        self.client, self.id, self.duplicate, self.model = client, job_id, duplicate, model
         self._final: Optional[JobResult] = None
 
     def __repr__(self) -> str:
         return f"AsyncJob({self.id!r})"
 
-    async def events(self, timeout: Optional[float] = None, start: str = "0-0"
-                     ) -> AsyncIterator[Any]:
-        r, key = self.client.redis, self.client.keys.events(self.id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+    async def serving_workers(self) -> list[dict]:
+        return serving(await live_workers_async(self.client.redis, self.client.keys), self.model)
+
+    async def events(self, timeout: Optional[float] = None, start: str = "0-0",
+                     no_worker_s: Optional[float] = None) -> AsyncIterator[Any]:
+        c = self.client
+        r, key = c.redis, c.keys.events(self.id)
+        watch = Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
+                      c.reconnect_s)
         last, delays = start, backoff()
         while True:
-            _check_cancelled()
             try:
-                resp = await r.xread({key: last}, count=READ_COUNT, block=block_ms(deadline))
+                if watch.check_due():
+                    watch.saw_workers(len(await _cancellable(self.serving_workers())))
+                resp = await _cancellable(
+                    xread_one(r, key, last, READ_COUNT, watch.block_ms(READ_BLOCK_MS)))
+                watch.redis_ok()
                 delays = backoff()
-            except _RETRY:
+            except _RETRY as e:
+                watch.redis_failed(e)
+                resp = None
+                await asyncio.sleep(next(delays))
+            except (AttributeError, TypeError):
+                # redis-py's asyncio cluster client: a connection closed under a concurrent
+                # write surfaces as AttributeError/TypeError, not ConnectionError (redis-py
+                # #3546; 11 of ~2,900 readers in a benchmarks/fleet_bench.py run): a lost connection
+                if not self.client.cluster:
+                    raise
                 resp = None
                 await asyncio.sleep(next(delays))
             for entry_id, ev in events_in(resp):
@@ -72,25 +102,37 @@ class AsyncJob:
                 yield ev
                 if ev.type in TERMINAL:
                     return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id}: no final event within {timeout} s")
+            watch.after_read()
 
-    async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Any]:
+    async def stream(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
+                     no_worker_s: Optional[float] = None) -> AsyncIterator[Any]:
         replay = Replay()
-        async for raw in self.events(timeout):
+        async for raw in self.events(timeout, no_worker_s=no_worker_s):
             for ev in replay.feed(raw):
                 if ev.type in TERMINAL:
-                    self._final = JobResult.from_event(self.id, ev)
+                    t = replay.tracks.get(0)
+                    self._final = final_result(self.id, ev, t.text if t else "",
+                                               t.ids if t else [], raise_on_error=False)
                 else:
                     yield ev
+        if raise_on_error and self._final is not None and self._final.finish_reason is None \
+                and self._final.error is not None:
+            raise JobFailed(self._final)
 
-    async def result(self, timeout: Optional[float] = None) -> JobResult:
-        if self._final is not None:
-            return self._final
-        keys = self.client.keys
+    async def result(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
+                     no_worker_s: Optional[float] = None) -> JobResult:
+        if self._final is None:
+            self._final = await self._wait_final(timeout, no_worker_s)
+        if raise_on_error and self._final.error is not None and self._final.finish_reason is None:
+            raise JobFailed(self._final)
+        return self._final
+
+    async def _wait_final(self, timeout: Optional[float], no_worker_s: Optional[float]
+                          ) -> JobResult:
+        keys, r = self.client.keys, self.client.redis
 
         async def snapshot():
-            pipe = self.client.redis.pipeline(transaction=True)
+            pipe = r.pipeline(transaction=True)
             pipe.hmget(keys.job(self.id), "result", "error")
             pipe.xrevrange(keys.events(self.id), count=1)
             return await pipe.execute()
@@ -99,11 +141,17 @@ class AsyncJob:
         final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:
             start = last[0][0] if last else "0-0"
-            async for ev in self.events(timeout, start=start):
+            async for ev in self.events(timeout, start=start, no_worker_s=no_worker_s):
                 if ev.type in TERMINAL:
                     final = ev
-        self._final = JobResult.from_event(self.id, final)
-        return self._final
+        if final.type == "error" and final.code == "cancelled":
+            replay = Replay()
+            raw = await _retrying(lambda: r.xrange(keys.events(self.id)))
+            for _, ev in events_in([(None, raw)]):
+                replay.feed(ev)
+            t = replay.tracks.get(0)
+            return final_result(self.id, final, t.text if t else "", t.ids if t else [])
+        return final_result(self.id, final, raise_on_error=False)
 
     async def cancel(self) -> None:
         await self.client.cancel(self.id)
@@ -113,14 +161,23 @@ class AsyncJob:
 
 
 class AsyncClient:
+    """`url`: any form schemas.connection accepts (one server, redis+cluster://,
+    redis+sentinel://)."""
+
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,
-                 redis_client: Optional[aredis.Redis] = None, job_ttl_s: int = JOB_TTL_S):
+                 redis_client: Optional[aredis.Redis] = None, job_ttl_s: int = JOB_TTL_S,
+                 reconnect_s: float = RECONNECT_S):
         self.url = redis_url(url)
+        self.reconnect_s = reconnect_s
         self.keys = Keys(key_prefix(prefix))
-        self.redis = redis_client or aredis.Redis.from_url(self.url, decode_responses=True)
+        self.redis = redis_client or connect_async(self.url, decode_responses=True)
+        self.cluster = is_cluster(self.redis)  # then: no script or MULTI spans two hash slots
         self.job_ttl_s = job_ttl_s
         self._submit = self.redis.register_script(SUBMIT_LUA)
+        self._submit_job = self.redis.register_script(SUBMIT_JOB_LUA)
         self._cancel = self.redis.register_script(CANCEL_LUA)
+        self._cancel_flag = self.redis.register_script(CANCEL_FLAG_LUA)
+        self._shards_known = False
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -131,33 +188,71 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    async def lane_keys(self) -> Keys:
+        """self.keys with the lane-shard count the workers published (read once per client)."""
+        if not self._shards_known:
+            n = await _retrying(lambda: self.redis.hget(self.keys.meta, "lane_shards"))
+            self.keys, self._shards_known = self.keys.with_shards(stored_shards(n)), True
+        return self.keys
+
     async def submit(self, prompt: Optional[str] = None, **kwargs: Any) -> AsyncJob:
         req = build_request(prompt, **kwargs)
-        entry = await _retrying(lambda: self._submit(
-            keys=[self.keys.job(req.id), self.keys.jobs(req.lane)],
-            args=submit_args(req, self.job_ttl_s)))
-        return AsyncJob(self, req.id, duplicate=entry is None)
+        keys = await self.lane_keys()
+        if self.cluster:
+            (entry,) = await _retrying(lambda: self._enqueue_cluster([req], keys))
+        else:
+            entry = await _retrying(lambda: self._submit(
+                keys=[keys.job(req.id), keys.submit_stream(req.id, req.lane)],
+                args=submit_args(req, self.job_ttl_s)))
+        return AsyncJob(self, req.id, duplicate=entry is None, model=req.model)
 
     async def submit_many(self, requests: list[dict]) -> list[AsyncJob]:
         reqs = [build_request(**dict(r)) for r in requests]
+        keys = await self.lane_keys()
+        send = self._enqueue_cluster if self.cluster else self._submit_chunk
         jobs: list[AsyncJob] = []
         for i in range(0, len(reqs), PIPELINE_CHUNK):
             chunk = reqs[i:i + PIPELINE_CHUNK]
-
-            async def run_chunk(chunk=chunk):
-                pipe = self.redis.pipeline(transaction=False)
-                for req in chunk:
-                    await self._submit(keys=[self.keys.job(req.id), self.keys.jobs(req.lane)],
-                                       args=submit_args(req, self.job_ttl_s), client=pipe)
-                return await pipe.execute()
-
-            entries = await _retrying(run_chunk)
-            jobs += [AsyncJob(self, q.id, duplicate=e is None) for q, e in zip(chunk, entries)]
+            entries = await _retrying(lambda chunk=chunk: send(chunk, keys))
+            jobs += [AsyncJob(self, q.id, duplicate=e is None, model=q.model)
+                     for q, e in zip(chunk, entries)]
         return jobs
 
-    def job(self, job_id: str) -> AsyncJob:
-        return AsyncJob(self, job_id)
+    async def _submit_chunk(self, chunk: list, keys: Keys) -> list:
+        pipe = self.redis.pipeline(transaction=False)
+        for req in chunk:
+            await self._submit(keys=[keys.job(req.id), keys.submit_stream(req.id, req.lane)],
+                               args=submit_args(req, self.job_ttl_s), client=pipe)
+        return await pipe.execute()
+
+    async def _enqueue_cluster(self, chunk: list, keys: Keys) -> list:
+        """The sync Client's _enqueue_cluster: three one-slot steps, pipelined."""
+        now = submit_args(chunk[0], self.job_ttl_s)[2]
+        pipe = self.redis.pipeline(transaction=False)
+        for req in chunk:  # EVAL, as the sync client does in cluster pipelines
+            pipe.execute_command("EVAL", self._submit_job.script, 1, keys.job(req.id), req.lane,
+                                 now, self.job_ttl_s)
+        fresh = [req for req, ok in zip(chunk, await pipe.execute()) if ok]
+        pipe = self.redis.pipeline(transaction=False)
+        for req in fresh:
+            pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
+        entries = dict(zip((req.id for req in fresh), await pipe.execute() if fresh else []))
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, entry in entries.items():
+            pipe.hsetnx(keys.job(job_id), "entry", entry)
+        if entries:
+            await pipe.execute()
+        return [entries.get(req.id) for req in chunk]
+
+    def job(self, job_id: str, model: Optional[str] = None) -> AsyncJob:
+        return AsyncJob(self, job_id, model=model)
 
     async def cancel(self, job_id: str) -> None:
+        if self.cluster:  # two slots: the flag first, then the broadcast (see CANCEL_FLAG_LUA)
+            await _retrying(lambda: self._cancel_flag(keys=[self.keys.job(job_id)],
+                                                      args=cancel_args(job_id, self.job_ttl_s)))
+            await _retrying(lambda: self.redis.xadd(self.keys.control, cancel_broadcast(job_id),
+                                                    maxlen=CONTROL_MAXLEN, approximate=True))
+            return
         await _retrying(lambda: self._cancel(keys=[self.keys.job(job_id), self.keys.control],
                                              args=cancel_args(job_id, self.job_ttl_s)))

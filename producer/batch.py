@@ -95,6 +95,7 @@ class Output:
             os.close(self.fd)
             raise SystemExit(f"genpool batch: another run is writing {path}") from None
         self.done: set[str] = set()
+        self.lines: set[int] = set()  # input line numbers recorded without a custom_id
         self.cut_bytes = self._load()
 
     def _load(self) -> int:
@@ -106,11 +107,14 @@ class Output:
             os.fsync(self.fd)
         for raw in data[:keep].splitlines():
             try:
-                cid = json.loads(raw).get("custom_id")
+                obj = json.loads(raw)
+                cid = obj.get("custom_id")
             except (ValueError, AttributeError):
                 continue
             if isinstance(cid, str):
                 self.done.add(cid)
+            elif isinstance(obj.get("line"), int):
+                self.lines.add(obj["line"])
         return len(data) - keep
 
     def write(self, obj: dict) -> None:
@@ -119,7 +123,10 @@ class Output:
         while view:
             view = view[os.write(self.fd, view):]
         os.fsync(self.fd)
-        self.done.add(obj["custom_id"])
+        if isinstance(obj.get("custom_id"), str):
+            self.done.add(obj["custom_id"])
+        elif isinstance(obj.get("line"), int):
+            self.lines.add(obj["line"])
 
     def close(self) -> None:
         os.close(self.fd)
@@ -133,8 +140,14 @@ def success_line(line: Line, res: JobResult) -> dict:
 
 
 def error_line(line: Line, error: dict) -> dict:
-    return {"id": f"batch_req_{line.job_id}", "custom_id": line.custom_id, "response": None,
-            "error": error}
+    return {"id": f"batch_req_{line.job_id}", "custom_id": line.custom_id, "line": line.lineno,
+            "response": None, "error": error}
+
+
+def unusable_line(lineno: int, reason: str, custom_id: Optional[str] = None) -> dict:
+    """An input line that could not become a request (no JSON, no custom_id, a repeat)."""
+    return {"id": None, "custom_id": custom_id, "line": lineno, "response": None,
+            "error": {"code": "invalid_line", "message": reason, "line": lineno}}
 
 
 @dataclass
@@ -151,7 +164,7 @@ class BatchRun:
     def __init__(self, client: Client, input_path: Path, output_path: Path, *,
                  max_in_flight: int = 64, model: Optional[str] = None,
                  priority: int = BATCH_PRIORITY, batch_id: Optional[str] = None,
-                 progress: bool = True):
+                 progress: bool = True, errors_path: Optional[Path] = None):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self.client, self.input_path, self.max_in_flight = client, input_path, max_in_flight
@@ -159,9 +172,13 @@ class BatchRun:
         ident, self.total = file_identity(input_path)
         self.ident = batch_id or ident
         self.out = Output(output_path)
-        self.counts = Counts(resumed=len(self.out.done))
+        # OpenAI's Batch API splits results: successes in the output, failures in an error file.
+        # Without one, failures stay in the output (as before) and unusable lines only on stderr.
+        self.errs = Output(errors_path) if errors_path else None
+        done = self.out.done | (self.errs.done if self.errs else set())
+        self.counts = Counts(resumed=len(done))
         self.inflight: dict[str, Line] = {}
-        self.resumed = frozenset(self.out.done)  # custom_ids an earlier run finished: skipped quietly
+        self.resumed = frozenset(done)  # custom_ids an earlier run finished: skipped quietly
         self.seen: set[str] = set()  # custom_ids read by this run: a second one is reported
         self.bar = make_progress(self.total, self.counts.resumed, progress)
 
@@ -180,6 +197,8 @@ class BatchRun:
         finally:
             self.bar.close()
             self.out.close()
+            if self.errs is not None:
+                self.errs.close()
         return self.counts
 
     def _fill(self, lines) -> bool:
@@ -197,7 +216,8 @@ class BatchRun:
                 self._skip(nxt[0], f"custom_id {line.custom_id!r} repeats an earlier line")
                 continue
             if isinstance(line, str):
-                self._skip(nxt[0], line)
+                if self.errs is None or nxt[0] not in self.errs.lines:
+                    self._skip(nxt[0], line)
                 continue
             self.seen.add(line.custom_id)
             if line.error is not None:
@@ -227,7 +247,7 @@ class BatchRun:
         return len(done)
 
     def _finish(self, obj: dict, ok: bool) -> None:
-        self.out.write(obj)
+        (self.out if ok or self.errs is None else self.errs).write(obj)
         if ok:
             self.counts.ok += 1
         else:
@@ -237,6 +257,8 @@ class BatchRun:
     def _skip(self, lineno: int, reason: str) -> None:
         self.counts.skipped += 1
         self._note(f"line {lineno}: {reason}; skipped")
+        if self.errs is not None:
+            self.errs.write(unusable_line(lineno, reason))
         self._advance()
 
     def _advance(self) -> None:

@@ -7,17 +7,25 @@ import os
 import sys
 from pathlib import Path
 
-from .cli import add_connection_args
+from schemas.config import HELP_FMT, add_connection_args
 
 
 def register_batch(sub) -> None:
     p = sub.add_parser("batch", help="run an OpenAI Batch API .jsonl file through the pool "
-                                     "(resumable: rerun the same command after a stop)")
+                                     "(resumable: rerun the same command after a stop)",
+                       description="Run an OpenAI Batch API .jsonl file through the pool. Exits 1 "
+                       "when any line failed or was unusable.", formatter_class=HELP_FMT)
     p.add_argument("input", type=Path, help="input .jsonl: custom_id, method, url, body per line")
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="output .jsonl; custom_ids already in it are skipped")
+    p.add_argument("--errors-out", type=Path, default=None, metavar="PATH",
+                   help="write failed and unusable input lines here (one JSON line each, with "
+                        "custom_id or line number) instead of into the output, as OpenAI's Batch "
+                        "API does (default: failures in the output, unusable lines on stderr)")
     p.add_argument("--max-in-flight", type=int, default=64, help="jobs queued or running at once")
-    p.add_argument("--model", default=None, help="model for lines whose body names none")
+    p.add_argument("--model", default=None,
+                   help="model for lines whose body names none (default: none: such lines go to "
+                        "any worker)")
     p.add_argument("--priority", type=int, default=1, help="> 0: the bulk lane (default 1)")
     p.add_argument("--batch-id", default=None,
                    help="namespace for job ids (default: a hash of the input file's content)")
@@ -36,29 +44,46 @@ def cmd_batch(a: argparse.Namespace) -> int:
     try:
         c = run_batch(a.input, a.output, client=Client(a.redis, a.prefix),
                       max_in_flight=a.max_in_flight, model=a.model, priority=a.priority,
-                      batch_id=a.batch_id, progress=not a.no_progress)
+                      batch_id=a.batch_id, progress=not a.no_progress, errors_path=a.errors_out)
     except KeyboardInterrupt:
         print("\ngenpool batch: interrupted; rerun the same command to resume (jobs in flight "
               "keep running and are picked up)", file=sys.stderr)
         return 130
+    where = f" (in {a.errors_out})" if a.errors_out else ""
     print(f"genpool batch: {c.ok} completed, {c.errors} errors, {c.skipped} unusable lines "
-          f"skipped, {c.resumed} already in {a.output}", file=sys.stderr)
-    return 0
+          f"skipped{where}, {c.resumed} already done", file=sys.stderr)
+    return 1 if c.errors or c.skipped else 0  # scripts must see that not every line succeeded
 
 
 def register_gateway(sub) -> None:
-    p = sub.add_parser("gateway", help="OpenAI-compatible HTTP server in front of the pool")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = sub.add_parser("gateway", help="OpenAI-compatible HTTP server in front of the pool",
+                       description="OpenAI-compatible HTTP server (/v1/completions, "
+                       "/v1/chat/completions, /v1/models) that submits each request as a job. "
+                       "--priority is a ceiling, not only a default: a request may ask to run "
+                       "later, never sooner.", formatter_class=HELP_FMT)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
                    help="accepted bearer keys (default $GENPOOL_API_KEYS, comma-separated; "
                         "none: no auth)")
     p.add_argument("--max-queue-depth", type=int, default=None,
-                   help="answer 429 while more jobs than this wait for a worker")
+                   help="answer 429 while more jobs than this wait for a worker (default: none: "
+                        "no limit)")
     p.add_argument("--priority", type=int, default=-1,
-                   help="job priority (default -1: the interactive lane)")
-    p.add_argument("--model", default=None, help="model for requests that name none")
-    p.add_argument("--log-level", default="info")
+                   help="priority ceiling: the most urgent priority a request may have (lower "
+                        "runs sooner). "
+                        "Requests that name none get it; a body asking for a lower value is "
+                        "refused with 400, a higher (less urgent) one is kept (default: -1: the "
+                        "interactive lane)")
+    p.add_argument("--model", default=None,
+                   help="model for requests that name none (default: none: such requests go to "
+                        "any worker)")
+    p.add_argument("--no-worker-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="answer 503 no_workers when no live worker serves the model for this long")
+    p.add_argument("--queue-without-workers", action="store_true",
+                   help="queue requests even when no worker serves their model (they wait)")
+    p.add_argument("--log-level", default="info",
+                   help="uvicorn log level: critical, error, warning, info, debug, trace")
     add_connection_args(p)
     p.set_defaults(func=cmd_gateway)
 
@@ -70,6 +95,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
 
     keys = a.api_key or [k for k in os.environ.get("GENPOOL_API_KEYS", "").split(",") if k]
     app = create_app(a.redis, a.prefix, api_keys=keys, max_queue_depth=a.max_queue_depth,
-                     priority=a.priority, default_model=a.model)
+                     priority=a.priority, default_model=a.model,
+                     no_worker_grace_s=a.no_worker_grace,
+                     queue_without_workers=a.queue_without_workers)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower())
     return 0

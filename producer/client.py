@@ -8,36 +8,61 @@ import redis
 
 from schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent
 
-from .config import key_prefix, redis_url
-from .protocol import (CANCEL_LUA, JOB_TTL_S, READ_COUNT, SUBMIT_LUA, backoff, block_ms,
-                       build_request, cancel_args, events_in, last_terminal, submit_args,
-                       terminal_from_hash)
+from schemas.config import key_prefix, redis_url
+from schemas.connection import backoff, connect, is_cluster, queue_script, xread_one
+from .errors import JobFailed
+from .liveness import live_workers, serving
+from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
+from schemas.connection import stored_shards
+from schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
 from .replay import Replay
+from .waiting import RECONNECT_S, Watch, final_result
 
 PIPELINE_CHUNK = 500
-_RETRY = (redis.ConnectionError, redis.TimeoutError)
+# (a cluster's MOVED after a resharding: the next try goes to the key's new node)
+_RETRY = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+          redis.exceptions.TryAgainError, redis.exceptions.MovedError)
 
 
 class Job:
-    """Handle on one submitted job. `duplicate` is True when the id already existed."""
+    """Handle on one submitted job. `duplicate` is True when the id already existed.
 
-    def __init__(self, client: "Client", job_id: str, duplicate: bool = False):
-        self.client, self.id, self.duplicate = client, job_id, duplicate
+    `result()` raises JobFailed when the job failed (`raise_on_error=False` returns the JobResult
+    with `.error` instead); a cancelled job's result keeps the text streamed before the cancel,
+    with finish_reason "cancelled". Waits raise NoWorkers (a TimeoutError) when they end while no
+    live worker serves the job's model, and QueueUnavailable when Redis stays away (errors.py)."""
+
+    def __init__(self, client: "Client", job_id: str, duplicate: bool = False,
+                 model: Optional[str] = None):
+        self.client, self.id, self.duplicate, self.model = client, job_id, duplicate, model
         self._final: Optional[JobResult] = None
 
     def __repr__(self) -> str:
         return f"Job({self.id!r})"
 
-    def events(self, timeout: Optional[float] = None, start: str = "0-0") -> Iterator[Any]:
+    def _watch(self, timeout: Optional[float], no_worker_s: Optional[float]) -> Watch:
+        c = self.client
+        return Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
+                     c.reconnect_s)
+
+    def serving_workers(self) -> list[dict]:
+        """Live workers that would take this job (any model when the job names none)."""
+        return serving(live_workers(self.client.redis, self.client.keys), self.model)
+
+    def events(self, timeout: Optional[float] = None, start: str = "0-0",
+               no_worker_s: Optional[float] = None) -> Iterator[Any]:
         """Raw events from `start` up to and including the terminal one (reconnects on loss)."""
         r, key = self.client.redis, self.client.keys.events(self.id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last, delays = start, backoff()
+        watch, last, delays = self._watch(timeout, no_worker_s), start, backoff()
         while True:
             try:
-                resp = r.xread({key: last}, count=READ_COUNT, block=block_ms(deadline))
+                if watch.check_due():
+                    watch.saw_workers(len(self.serving_workers()))
+                resp = xread_one(r, key, last, READ_COUNT, watch.block_ms(READ_BLOCK_MS))
+                watch.redis_ok()
                 delays = backoff()
-            except _RETRY:
+            except _RETRY as e:
+                watch.redis_failed(e)
                 resp = None
                 time.sleep(next(delays))
             for entry_id, ev in events_in(resp):
@@ -45,25 +70,34 @@ class Job:
                 yield ev
                 if ev.type in TERMINAL:
                     return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id}: no final event within {timeout} s")
+            watch.after_read()
 
-    def stream(self, timeout: Optional[float] = None) -> Iterator[TokenEvent | RestartEvent]:
-        """Token events from the start; a RestartEvent only if a rerun diverged (see replay.py)."""
+    def stream(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
+               no_worker_s: Optional[float] = None) -> Iterator[TokenEvent | RestartEvent]:
+        """Token events from the start; a RestartEvent only if a rerun diverged (see replay.py).
+        Ends normally on a result or a cancel; raises JobFailed on any other error."""
         replay = Replay()
-        for raw in self.events(timeout):
+        for raw in self.events(timeout, no_worker_s=no_worker_s):
             for ev in replay.feed(raw):
                 if ev.type in TERMINAL:
-                    self._final = JobResult.from_event(self.id, ev)
+                    t = replay.tracks.get(0)
+                    self._final = final_result(self.id, ev, t.text if t else "",
+                                               t.ids if t else [], raise_on_error=False)
                 else:
                     yield ev
+        if raise_on_error and self._final is not None and self._final.finish_reason is None \
+                and self._final.error is not None:
+            raise JobFailed(self._final)
 
-    def result(self, timeout: Optional[float] = None) -> JobResult:
+    def result(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
+               no_worker_s: Optional[float] = None) -> JobResult:
         if self._final is None:
-            self._final = self._wait_final(timeout)
+            self._final = self._wait_final(timeout, no_worker_s)
+        if raise_on_error and self._final.error is not None and self._final.finish_reason is None:
+            raise JobFailed(self._final)
         return self._final
 
-    def _wait_final(self, timeout: Optional[float]) -> JobResult:
+    def _wait_final(self, timeout: Optional[float], no_worker_s: Optional[float]) -> JobResult:
         # One MULTI: the stored result, or else the stream's last id to wait beyond; the worker
         # writes both in one MULTI too, so nothing can slip between the two reads.
         keys = self.client.keys
@@ -78,8 +112,20 @@ class Job:
         final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:  # not finished: wait for events after the last one that exists now
             start = last[0][0] if last else "0-0"
-            final = next(ev for ev in self.events(timeout, start=start) if ev.type in TERMINAL)
-        return JobResult.from_event(self.id, final)
+            final = next(ev for ev in self.events(timeout, start=start, no_worker_s=no_worker_s)
+                         if ev.type in TERMINAL)
+        if final.type == "error" and final.code == "cancelled":
+            return self._cancelled(final)
+        return final_result(self.id, final, raise_on_error=False)
+
+    def _cancelled(self, final) -> JobResult:
+        """A cancelled job's result: the text its stream carried before the cancel."""
+        replay = Replay()
+        raw = _retrying(lambda: self.client.redis.xrange(self.client.keys.events(self.id)))
+        for _, ev in events_in([(None, raw)]):
+            replay.feed(ev)
+        t = replay.tracks.get(0)
+        return final_result(self.id, final, t.text if t else "", t.ids if t else [])
 
     def cancel(self) -> None:
         self.client.cancel(self.id)
@@ -100,15 +146,25 @@ def _retrying(fn, attempts: int = 8):
 
 
 class Client:
+    """`url`: any form schemas.connection accepts (one server, redis+cluster://,
+    redis+sentinel://)."""
+
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,
-                 redis_client: Optional[redis.Redis] = None, job_ttl_s: int = JOB_TTL_S):
+                 redis_client: Optional[redis.Redis] = None, job_ttl_s: int = JOB_TTL_S,
+                 reconnect_s: float = RECONNECT_S):
         self.url = redis_url(url)
+        self.reconnect_s = reconnect_s  # how long a waiting reader retries a lost Redis
         self.keys = Keys(key_prefix(prefix))
-        self.redis = redis_client or redis.Redis.from_url(self.url, decode_responses=True)
+        self.redis = redis_client or connect(self.url, decode_responses=True)
+        self.own_client = redis_client is None
+        self.cluster = is_cluster(self.redis)  # then: no script or MULTI spans two hash slots
         self.job_ttl_s = job_ttl_s
         self._submit = self.redis.register_script(SUBMIT_LUA)
+        self._submit_job = self.redis.register_script(SUBMIT_JOB_LUA)
         self._cancel = self.redis.register_script(CANCEL_LUA)
-        self._raw: Optional[redis.Redis] = None
+        self._cancel_flag = self.redis.register_script(CANCEL_FLAG_LUA)
+        self._shards_known = False
+        self._raw = None
 
     def close(self) -> None:
         self.redis.close()
@@ -121,22 +177,37 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def lane_keys(self) -> Keys:
+        """self.keys with the lane-shard count the workers published (read once per client:
+        a client that missed a later increase still enqueues on shards workers read)."""
+        if not self._shards_known:
+            n = _retrying(lambda: self.redis.hget(self.keys.meta, "lane_shards"))
+            self.keys, self._shards_known = self.keys.with_shards(stored_shards(n)), True
+        return self.keys
+
     def submit(self, prompt: Optional[str] = None, **kwargs: Any) -> Job:
         """kwargs: messages, model, priority, job_id, deadline, metadata, and SamplingParams names."""
         req = build_request(prompt, **kwargs)
-        entry = _retrying(lambda: self._submit(keys=[self.keys.job(req.id),
-                                                     self.keys.jobs(req.lane)],
-                                               args=submit_args(req, self.job_ttl_s)))
-        return Job(self, req.id, duplicate=entry is None)
+        keys = self.lane_keys()
+        if self.cluster:
+            (entry,) = _retrying(lambda: self._enqueue_cluster([req]))
+        else:
+            entry = _retrying(lambda: self._submit(
+                keys=[keys.job(req.id), keys.submit_stream(req.id, req.lane)],
+                args=submit_args(req, self.job_ttl_s)))
+        return Job(self, req.id, duplicate=entry is None, model=req.model)
 
     def submit_many(self, requests: list[dict]) -> list[Job]:
         """Validate all, then enqueue in pipelined chunks (one round trip per chunk)."""
         reqs = [build_request(**dict(r)) for r in requests]
+        self.lane_keys()
+        send = self._enqueue_cluster if self.cluster else self._submit_chunk
         jobs: list[Job] = []
         for i in range(0, len(reqs), PIPELINE_CHUNK):
             chunk = reqs[i:i + PIPELINE_CHUNK]
-            entries = _retrying(lambda chunk=chunk: self._submit_chunk(chunk))
-            jobs += [Job(self, q.id, duplicate=e is None) for q, e in zip(chunk, entries)]
+            entries = _retrying(lambda chunk=chunk: send(chunk))
+            jobs += [Job(self, q.id, duplicate=e is None, model=q.model)
+                     for q, e in zip(chunk, entries)]
         return jobs
 
     def map(self, items, concurrency: int = 16, **common):
@@ -151,15 +222,41 @@ class Client:
         # before a connection loss reports those as duplicates, and runs each job once).
         pipe = self.redis.pipeline(transaction=False)
         for req in chunk:
-            self._submit(keys=[self.keys.job(req.id), self.keys.jobs(req.lane)],
+            self._submit(keys=[self.keys.job(req.id), self.keys.submit_stream(req.id, req.lane)],
                          args=submit_args(req, self.job_ttl_s), client=pipe)
         return pipe.execute()
 
-    def job(self, job_id: str) -> Job:
-        return Job(self, job_id)
+    def _enqueue_cluster(self, chunk: list) -> list:
+        """SUBMIT_JOB_LUA, XADD, HSETNX entry: three pipelined round trips, each command within
+        one hash slot (producer/protocol.py says why this order is safe to retry)."""
+        now, keys = submit_args(chunk[0], self.job_ttl_s)[2], self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        for req in chunk:
+            queue_script(pipe, self._submit_job, [keys.job(req.id)],
+                         [req.lane, now, self.job_ttl_s])
+        fresh = [req for req, ok in zip(chunk, pipe.execute()) if ok]
+        pipe = self.redis.pipeline(transaction=False)
+        for req in fresh:
+            pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
+        entries = dict(zip((req.id for req in fresh), pipe.execute() if fresh else []))
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, entry in entries.items():
+            pipe.hsetnx(keys.job(job_id), "entry", entry)
+        if entries:
+            pipe.execute()
+        return [entries.get(req.id) for req in chunk]
+
+    def job(self, job_id: str, model: Optional[str] = None) -> Job:
+        return Job(self, job_id, model=model)
 
     def cancel(self, job_id: str) -> None:
         # The flag stops a job no worker has started; the control entry reaches the one running it.
+        if self.cluster:  # two slots: the flag first, then the broadcast (see CANCEL_FLAG_LUA)
+            _retrying(lambda: self._cancel_flag(keys=[self.keys.job(job_id)],
+                                                args=cancel_args(job_id, self.job_ttl_s)))
+            _retrying(lambda: self.redis.xadd(self.keys.control, cancel_broadcast(job_id),
+                                              maxlen=CONTROL_MAXLEN, approximate=True))
+            return
         _retrying(lambda: self._cancel(keys=[self.keys.job(job_id), self.keys.control],
                                        args=cancel_args(job_id, self.job_ttl_s)))
 
@@ -167,8 +264,13 @@ class Client:
         from .status import queue_status
 
         if self._raw is None:  # bytes in, decoded leniently: status must never choke on junk
-            pool = self.redis.connection_pool  # the caller's connection settings (TLS, auth, ...)
-            kwargs = {**pool.connection_kwargs, "decode_responses": False}
-            self._raw = redis.Redis(connection_pool=redis.ConnectionPool(
-                connection_class=pool.connection_class, **kwargs))
-        return queue_status(self._raw, self.keys)
+            self._raw = self._raw_client()
+        return queue_status(self._raw, self.lane_keys())
+
+    def _raw_client(self):
+        if self.own_client or not hasattr(self.redis, "connection_pool"):
+            return connect(self.url, decode_responses=False)
+        pool = self.redis.connection_pool  # the caller's connection settings (TLS, auth, ...)
+        kwargs = {**pool.connection_kwargs, "decode_responses": False}
+        return redis.Redis(connection_pool=redis.ConnectionPool(
+            connection_class=pool.connection_class, **kwargs))

@@ -15,7 +15,6 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Iterable, Optional
 
 import redis
-import redis.asyncio as aredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,14 +23,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas import Keys
 
 from .aio import AsyncClient, AsyncJob
-from .config import key_prefix, redis_url
-from .protocol import lane_depths, queue_lane_depths
+from schemas.config import key_prefix, redis_url
+from schemas.connection import connect_async
+from .liveness import live_workers_async, served_names, serving
+from schemas.connection import lane_depths, queue_lane_depths
 from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body,
-                            error_from_event, final_chunks, parse_body)
+                            error_from_event, final_chunks, parse_body, scrub_paths)
 
 log = logging.getLogger("genpool.gateway")
 
 GATEWAY_PRIORITY = -1  # HTTP callers are waiting: the interactive lane, which workers read first
+# The worker refuses a job above 8 MiB (workers/intake.py); a body past this is refused unread.
+MAX_BODY_BYTES = 8 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _background: set[asyncio.Task] = set()  # strong refs so fire-and-forget cancels are not GC'd
 
@@ -43,20 +46,21 @@ class ClientGone(Exception):
 class Gateway:
     def __init__(self, url: Optional[str], prefix: Optional[str], api_keys: Iterable[str],
                  max_queue_depth: Optional[int], priority: int, default_model: Optional[str],
-                 max_connections: int):
+                 max_connections: int, no_worker_grace_s: float = 5.0,
+                 queue_without_workers: bool = False):
         self.url, self.keys = redis_url(url), Keys(key_prefix(prefix))
         self.api_keys = [k.encode() for k in api_keys if k]
         self.max_queue_depth, self.priority = max_queue_depth, priority
         self.default_model, self.max_connections = default_model, max_connections
+        self.no_worker_grace_s, self.queue_without_workers = no_worker_grace_s, queue_without_workers
         self.client: Optional[AsyncClient] = None
 
     async def start(self) -> None:
-        # A blocking pool: each streaming request holds a connection in XREAD BLOCK, and past
-        # the cap requests should wait for one rather than fail.
-        pool = aredis.BlockingConnectionPool.from_url(
-            self.url, max_connections=self.max_connections, timeout=None, decode_responses=True)
-        self.client = AsyncClient(self.url, self.keys.prefix,
-                                  redis_client=aredis.Redis(connection_pool=pool))
+        # On one server a blocking pool: each streaming request holds a connection in XREAD
+        # BLOCK, and past the cap requests should wait for one rather than fail
+        # (schemas/connection.py: per node in a cluster, uncapped behind Sentinel).
+        self.client = AsyncClient(self.url, self.keys.prefix, redis_client=connect_async(
+            self.url, max_connections=self.max_connections, decode_responses=True))
 
     async def stop(self) -> None:
         if self.client is not None:
@@ -75,46 +79,69 @@ class Gateway:
 
     async def queue_depth(self) -> int:
         """Entries no worker has picked up yet, over all lanes (pending ones are being served)."""
+        keys = await self.client.lane_keys()
         pipe = self.client.redis.pipeline(transaction=False)
-        queue_lane_depths(pipe, self.keys)
+        queue_lane_depths(pipe, keys)
         depths = lane_depths(await pipe.execute(raise_on_error=False))
         return sum(queued for queued, _ in depths.values())
 
     async def models(self) -> list[dict]:
-        r = self.client.redis
-        infos = await r.hgetall(self.keys.workers)
-        pipe = r.pipeline(transaction=False)
-        for name in infos:
-            pipe.exists(self.keys.worker(name))
-        alive = await pipe.execute() if infos else []
-        seen: dict[str, int] = {}
-        for (name, doc), up in zip(infos.items(), alive):
-            with contextlib.suppress(ValueError, AttributeError, TypeError):
-                info = json.loads(doc)
-                for model in str(info.get("model") or "").split(","):
-                    if up and model:
-                        seen.setdefault(model, int(info.get("started") or 0))
-        return [{"id": m, "object": "model", "created": c, "owned_by": "genpool"}
-                for m, c in sorted(seen.items())]
+        """One entry per model the live workers serve: its primary name as the id, the other
+        names it answers to under `aliases` (a genpool extension OpenAI clients ignore)."""
+        by_id: dict[str, dict] = {}
+        for w in await live_workers_async(self.client.redis, self.keys):
+            names = {n for n in served_names(w) if scrub_paths(n) == n}  # never a filesystem path
+            if not names:
+                continue
+            primary = str(w.get("model_name") or "")
+            primary = primary if primary in names else min(names)
+            m = by_id.setdefault(primary, {"id": primary, "object": "model",
+                                           "created": int(w.get("started") or 0),
+                                           "owned_by": "genpool", "aliases": set()})
+            m["aliases"] |= names - {primary}
+        return [{**m, "aliases": sorted(m["aliases"] - by_id.keys())}
+                for _, m in sorted(by_id.items())]
+
+    async def require_workers(self, model: Optional[str]) -> None:
+        """503 `no_workers` when no live worker serves `model` within the grace (workers can be
+        starting); an operator who wants jobs queued for later sets queue_without_workers."""
+        if self.queue_without_workers:
+            return
+        deadline = time.monotonic() + self.no_worker_grace_s
+        while not serving(live := await live_workers_async(self.client.redis, self.keys), model):
+            others = sorted({n for w in serving(live, None) for n in served_names(w)})
+            if model and others:  # the pool is up, it just does not have this model
+                raise APIError(404, f"The model '{model}' does not exist; this pool serves "
+                                    f"{', '.join(others)}", param="model", code="model_not_found")
+            if time.monotonic() >= deadline:
+                target = f"model '{model}'" if model else "any model"
+                raise APIError(503, f"no live worker serves {target} (waited "
+                                    f"{self.no_worker_grace_s:g} s); start one with `genpool "
+                                    f"worker`, or run the gateway with --queue-without-workers to "
+                                    f"queue jobs until one comes", "server_error",
+                               code="no_workers")
+            await asyncio.sleep(min(0.25, self.no_worker_grace_s))
 
     async def complete(self, request: Request, kind: str) -> Response:
         self.authorize(request)
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        body = await read_json(request)
         req = parse_body(kind, body, priority=self.priority, default_model=self.default_model)
+        if req.kwargs["priority"] < self.priority:  # lower runs first: the server's value is a ceiling
+            raise APIError(400, f"priority {req.kwargs['priority']} is above what this gateway "
+                                f"allows (lowest value {self.priority})", param="priority",
+                           code="invalid_value")
         if self.max_queue_depth is not None:
             depth = await self.queue_depth()
             if depth > self.max_queue_depth:
                 raise APIError(429, f"the queue holds {depth} waiting jobs (limit "
                                     f"{self.max_queue_depth}); retry later",
                                type_="rate_limit_exceeded", code="queue_full")
+        await self.require_workers(req.kwargs.get("model"))
         job = await self.client.submit(**req.kwargs)
         try:
             if req.stream:
                 return await self.start_stream(request, job, req)
-            res = await until_disconnect(request, job.result())
+            res = await until_disconnect(request, job.result(raise_on_error=False))
         except ClientGone:
             await job.cancel()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed" code
@@ -126,11 +153,11 @@ class Gateway:
                            ) -> Response:
         """Answers once the job's first event is in, so a job its worker refuses (unknown
         model, prompt too long) gets its real HTTP status rather than a 200 stream."""
-        events = job.stream().__aiter__()
+        events = job.stream(raise_on_error=False).__aiter__()
         try:
             first = await until_disconnect(request, events.__anext__())
         except StopAsyncIteration:  # finished without a token: failed, or an empty completion
-            first, res = None, await job.result()
+            first, res = None, await job.result(raise_on_error=False)
             if res.error is not None:
                 raise error_from_event(res.error) from None
         return StreamingResponse(self.sse(request, job, req, chain(first, events)),
@@ -152,7 +179,7 @@ class Gateway:
                     return
                 if ev.text:
                     yield sse(chunk_body(req, job.id, created, ev.index, text=ev.text))
-            res = await job.result()
+            res = await job.result(raise_on_error=False)
             finished = True
             chunks = ([error_from_event(res.error).body()] if res.error is not None
                       else final_chunks(req, res, created))
@@ -164,6 +191,32 @@ class Gateway:
         finally:
             if not finished:  # the reader left (or the stream broke): free the worker's slot
                 background(job.cancel())
+
+
+async def read_json(request: Request) -> Any:
+    """The body as JSON, refusing (OpenAI-shaped 4xx) anything but a JSON body of sane size and
+    depth. Only application/json: a browser can send text/plain or form bodies cross-site without
+    a preflight, and those must never become jobs."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype and ctype != "application/json":  # (no header at all is no browser's doing)
+        raise APIError(415, f"Content-Type must be application/json (got {ctype!r})",
+                       code="unsupported_media_type")
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(400, f"the request body is {size} bytes; the limit is {MAX_BODY_BYTES}",
+                       code="body_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(400, f"the request body is over the {MAX_BODY_BYTES}-byte limit",
+                           code="body_too_large")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body's JSON is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
 
 
 async def chain(first: Any, rest: AsyncIterator) -> AsyncIterator:
@@ -254,9 +307,10 @@ async def iterate_until_disconnect(request: Request, ait: AsyncIterator) -> Asyn
 def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
                api_keys: Iterable[str] = (), max_queue_depth: Optional[int] = None,
                priority: int = GATEWAY_PRIORITY, default_model: Optional[str] = None,
-               max_connections: int = 1000) -> FastAPI:
+               max_connections: int = 1000, no_worker_grace_s: float = 5.0,
+               queue_without_workers: bool = False) -> FastAPI:
     gw = Gateway(url, prefix, api_keys, max_queue_depth, priority, default_model,
-                 max_connections)
+                 max_connections, no_worker_grace_s, queue_without_workers)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -276,7 +330,7 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         gw.authorize(request)
-        found = [m for m in await gw.models() if m["id"] == model_id]
+        found = [m for m in await gw.models() if model_id == m["id"] or model_id in m["aliases"]]
         if not found:
             raise APIError(404, f"The model '{model_id}' does not exist", param="model",
                            code="model_not_found")
@@ -304,6 +358,13 @@ def _error_handlers(app: FastAPI) -> None:
     async def api_error(_req, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def unexpected(_req, exc: Exception):  # never a plain-text 500, never a traceback
+        log.exception("unhandled error in the gateway")
+        err = APIError(500, f"internal error ({type(exc).__name__})", "server_error",
+                       code="internal")
+        return JSONResponse(err.body(), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_req, exc: StarletteHTTPException):
         err = APIError(exc.status_code, str(exc.detail),
@@ -312,8 +373,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(redis.RedisError)
     async def queue_down(_req, exc: redis.RedisError):
-        err = APIError(503, f"the job queue is unreachable ({type(exc).__name__}: {exc})",
-                       "server_error", code="queue_unavailable")
+        err = APIError(503, f"the job queue is unreachable ({type(exc).__name__}: "
+                            f"{scrub_paths(str(exc))})", "server_error", code="queue_unavailable")
         return JSONResponse(err.body(), status_code=503)
 
     @app.exception_handler(RequestValidationError)

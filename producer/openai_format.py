@@ -6,6 +6,7 @@ the edge with an OpenAI-shaped 400 instead of reaching a worker); job results be
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "p
           "frequency_penalty", "stream", "stream_options",
           # vLLM-style extensions (the engine supports them; OpenAI clients send them via extra_body)
           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-          "priority"}
+          "priority",
+          # structured output: OpenAI's response_format, vLLM's structured_outputs (extra_body)
+          "response_format", "structured_outputs"}
 ONLY = {"chat": {"messages", "max_completion_tokens"}, "completion": {"prompt"}}
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 # Features accepted only at their "off" value: a caller relying on them must hear "no", not get
@@ -33,7 +36,7 @@ OFF_VALUES: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "suffix": (None,),
     "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "modalities": (None, ["text"]),
 }
 # Worker error codes -> (HTTP status, OpenAI error type, OpenAI error code).
 ERROR_STATUS = {
@@ -46,8 +49,16 @@ ERROR_STATUS = {
 }
 
 
+# An absolute filesystem path (POSIX or Windows) inside a message: never shown to HTTP callers.
+_PATH_RE = re.compile(r"(?:[A-Za-z]:\\|~?/)(?:[^\s'\"/\\]+[/\\])+[^\s'\",;:)]*")
+
+
+def scrub_paths(text: str) -> str:
+    return _PATH_RE.sub("<path>", text)
+
+
 class APIError(Exception):
-    """An error with an HTTP status and OpenAI's body shape."""
+    """An error with an HTTP status and OpenAI's body shape (paths scrubbed from its message)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: Optional[str] = None, code: Optional[str] = None):
@@ -56,8 +67,8 @@ class APIError(Exception):
                                                                        param, code)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": scrub_paths(self.message), "type": self.type,
+                          "param": self.param, "code": self.code}}
 
 
 def error_from_event(ev: ErrorEvent) -> APIError:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from schemas import JobResult
 
-from .client import Client
+from .client import Client, _retrying
 from .protocol import build_request, last_terminal, terminal_from_hash
 
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
@@ -23,10 +23,14 @@ def poll_results(client: Client, job_ids: list[str]) -> tuple[dict[str, JobResul
     if not job_ids:
         return {}, []
     keys = client.keys
-    pipe = client.redis.pipeline(transaction=False)
-    for jid in job_ids:
-        pipe.hmget(keys.job(jid), "result", "error", "state")
-    replies = pipe.execute()
+
+    def poll():  # a fresh pipeline per try: a failed execute() empties it
+        pipe = client.redis.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.hmget(keys.job(jid), "result", "error", "state")
+        return pipe.execute()
+
+    replies = _retrying(poll)  # a slow or restarting Redis is retried, as single waits are
     done, missing = {}, []
     for jid, (res, err, state) in zip(job_ids, replies):
         final = terminal_from_hash(res, err)

@@ -8,7 +8,7 @@ import redis
 
 from schemas import Keys
 
-from .protocol import lane_depths, queue_lane_depths
+from schemas.connection import lane_depths, queue_lane_depths
 
 
 def _lane_status(r: redis.Redis, keys: Keys) -> dict:
@@ -64,8 +64,21 @@ def format_status(st: dict) -> str:
     for w in st["workers"]:
         state = "alive" if w["alive"] else "gone "
         lines.append(f"  {w['name']:<24} {state} model={w.get('model', '?')} "
-                     f"running={w.get('running', '?')} beat={w.get('beat_age_s')}s ago")
+                     f"running={w.get('running', '?')} beat={w.get('beat_age_s')}s ago"
+                     + _routing_line(w))
     lines.append(f"dead letters: {st['dead']['count']}")
     for d in st["dead"]["recent"]:
         lines.append(f"  {d['entry']} job={d.get('job_id', '?')} reason={d.get('reason', '?')}")
     return "\n".join(lines)
+
+
+def _routing_line(w: dict) -> str:
+    """Prefix hit rate and how prefix routing placed this worker's new jobs (issue 21)."""
+    if "routed_affinity" not in w:
+        return ""
+    rate = w.get("prefix_hit_rate")
+    hit = f"{100 * rate:.0f}%" if isinstance(rate, (int, float)) else "-"
+    return (f" prefix_hit={hit} routed affinity/load/fallback={w.get('routed_affinity', 0)}/"
+            f"{w.get('routed_load', 0)}/{w.get('routed_fallback', 0)} "
+            f"handed out/in={w.get('handed_off', 0)}/{w.get('handed_in', 0)}")
+

@@ -14,7 +14,8 @@ from .keys import PROTOCOL_VERSION
 
 ErrorCode = Literal["invalid_request", "unknown_model", "expired", "cancelled", "dead_lettered",
                     "internal"]
-FinishReason = Literal["stop", "length", "abort"]
+# "cancelled" only on a JobResult the client builds for a cancelled job (the wire says `error`).
+FinishReason = Literal["stop", "length", "abort", "cancelled"]
 
 
 class _Wire(BaseModel):
@@ -25,6 +26,7 @@ class _Wire(BaseModel):
 
 class TokenEvent(_Wire):
     type: Literal["token"] = "token"
+    attempt: Optional[int] = None  # which attempt wrote it (see RestartEvent)
     index: int = 0  # which of the n completions
     text: str = ""  # the new piece of text (a delta)
     token_ids: list[int] = Field(default_factory=list)
@@ -65,6 +67,7 @@ class Choice(BaseModel):
 
 class ResultEvent(_Wire):
     type: Literal["result"] = "result"
+    attempt: Optional[int] = None
     text: str
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
@@ -76,6 +79,7 @@ class ResultEvent(_Wire):
 
 class ErrorEvent(_Wire):
     type: Literal["error"] = "error"
+    attempt: Optional[int] = None
     code: ErrorCode
     message: str
 

@@ -7,15 +7,25 @@ and silently turning "12" into 12 would hide producer bugs.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .keys import PROTOCOL_VERSION, lane_for
+from .keys import JOB_ID_RE, PROTOCOL_VERSION, lane_for
+from .structured import StructuredOutputs
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_ID_LEN = 128
-ID_PATTERN = r"^[A-Za-z0-9_.:\-]+$"
+# Job ids name Redis keys ({p}:job:{<id>}), so they may not hold ':' or braces: no id can then
+# spell another job's key or move its keys out of their {<id>} hash tag (docs/protocol.md).
+ID_PATTERN = JOB_ID_RE.pattern  # the one job-id rule (schemas/keys.py)
+# Sampling bounds: the same numbers as engine.sampling_params (no parameter inside them can make
+# a logit inf or nan); this module must not import the engine (no torch for producers).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_STOP_LEN = 1024
+MAX_TOKEN_ID = 2**31  # exclusive; the engine checks stop_token_ids against its vocabulary
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+TokenId = Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)]
 
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -35,7 +45,8 @@ class ChatMessage(BaseModel):
 
 
 class JobRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # allow_inf_nan: Python's json accepts NaN / Infinity literals, which no field may carry
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     v: Literal[1] = PROTOCOL_VERSION
     id: str = Field(default_factory=new_job_id, min_length=1, max_length=MAX_ID_LEN,
@@ -47,18 +58,20 @@ class JobRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)  # -1 or 0: disabled, as in the engine
+    top_k: int = Field(default=-1, ge=-1, lt=2**31)  # -1 or 0: disabled, as in the engine
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY,
+                                      le=MAX_REPETITION_PENALTY)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=16)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop: list[StopString] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
     max_tokens: int = Field(default=16, ge=1, le=1_000_000)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=1_000_000)
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    structured_outputs: Optional[StructuredOutputs] = None  # schemas/structured.py
 
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     deadline: Optional[float] = Field(default=None, gt=0)
@@ -93,10 +106,13 @@ class JobRequest(BaseModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams."""
-        return {f: getattr(self, f) for f in SAMPLING_FIELDS}
+        out = {f: getattr(self, f) for f in SAMPLING_FIELDS}
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.engine_dict()
+        return out
 
     def to_wire(self) -> str:
-        return self.model_dump_json(exclude_none=True)
+        return self.model_dump_json(exclude_none=True, by_alias=True)  # structured_outputs.json
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -1,7 +1,7 @@
 """A deterministic stand-in for engine.LLMEngine, for tests of the Redis side of the worker.
 
-It has the same surface the worker uses (add_request, abort_request, step, has_unfinished_requests,
-stats, tokenizer, apply_chat_template) and produces `expected_text(prompt_ids, max_tokens)`, one
+It satisfies engine.protocol.Engine, the surface the worker uses (add_request, abort_request, step,
+has_unfinished_requests, stats, describe, tokenizer, apply_chat_template) and produces `expected_text(prompt_ids, max_tokens)`, one
 character per token, so tests can check exact outputs without torch.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import EngineStats
 
 
 class FakeTokenizer:
@@ -39,6 +40,8 @@ class _Req:
 
 
 class FakeEngine:
+    block_manager = None  # no prefix cache: prefix-aware routing stays off
+
     def __init__(self, max_num_seqs: int = 8, num_blocks: int = 4096, block_size: int = 16,
                  step_delay: float = 0.0, max_model_len: int = 4096):
         self.tokenizer = FakeTokenizer()
@@ -95,13 +98,17 @@ class FakeEngine:
                                                                            fin)], fin is not None))
         return outs
 
-    def stats(self) -> dict:
+    def describe(self) -> str:
+        return f"fake engine: {self.num_blocks}x{self.block_size} blocks, {self.max_num_seqs} seqs"
+
+    def stats(self) -> EngineStats:
         running = min(len(self.requests), self.max_num_seqs)
         used = sum(-(-(len(q.ids) + q.done) // self.block_size) for q in self.requests.values())
-        return dict(num_running=running, num_waiting=len(self.requests) - running,
-                    free_seq_slots=max(0, self.max_num_seqs - len(self.requests)),
-                    kv_blocks_total=self.num_blocks, kv_blocks_free=self.num_blocks - used,
-                    kv_blocks_used=used, block_size=self.block_size, step_count=self.step_count)
+        return EngineStats(num_running=running, num_waiting=len(self.requests) - running,
+                           free_seq_slots=max(0, self.max_num_seqs - len(self.requests)),
+                           kv_blocks_total=self.num_blocks, kv_blocks_free=self.num_blocks - used,
+                           kv_blocks_used=used, block_size=self.block_size, step_count=self.step_count,
+                           num_requests=len(self.requests))
 
 
 def make(**kwargs) -> FakeEngine:
@@ -111,3 +118,35 @@ def make(**kwargs) -> FakeEngine:
 
     kw = {k: v for k, v in kwargs.items() if k in ("max_num_seqs", "block_size")}
     return FakeEngine(step_delay=float(os.environ.get("GENPOOL_FAKE_STEP_DELAY", "0")), **kw)
+
+
+class CrashingEngine(FakeEngine):
+    """Kills its own process (SIGSEGV, as a kernel fault would) in any step that runs a request
+    whose prompt contains CRASH_WORD: the stand-in for a job that crashes whatever runs it."""
+
+    CRASH_WORD = "POISON"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.poison: set[str] = set()
+
+    def add_request(self, request_id, prompt, params, priority: int = 0, arrival_time=None):
+        super().add_request(request_id, prompt, params, priority, arrival_time)
+        if isinstance(prompt, dict) and self.CRASH_WORD in (prompt.get("prompt") or ""):
+            self.poison.add(request_id)
+
+    def step(self):
+        if any(q.rid in self.poison for q in self._running()):
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return super().step()
+
+
+def make_crashing(**kwargs) -> CrashingEngine:
+    """`--engine-factory tests.fake_engine:make_crashing` (GENPOOL_FAKE_STEP_DELAY as in make)."""
+    import os
+
+    kw = {k: v for k, v in kwargs.items() if k in ("max_num_seqs", "block_size")}
+    return CrashingEngine(step_delay=float(os.environ.get("GENPOOL_FAKE_STEP_DELAY", "0")), **kw)

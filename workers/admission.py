@@ -1,8 +1,8 @@
 """From parsed entries to engine requests: the ownership check, then add_request.
 
 Every entry ends in exactly one of: running in the engine, an error on its job's stream (acked),
-a dead letter (acked), or a silent ack (a duplicate of a job id another entry owns, or a job that
-already finished).
+a dead letter (acked), a silent ack (a duplicate of a job id another entry owns, or a job that
+already finished), or handed back to the live worker that holds its lease.
 """
 from __future__ import annotations
 
@@ -12,12 +12,19 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from schemas.connection import queue_script
+from engine.protocol import EngineStats
 from schemas import ErrorEvent, JobRequest
 
-from .intake import Entry, Parsed, parse_entry
-from .jobstate import InFlight
-from .outbox import Outbox
-from .streams import CLAIM_LUA, s
+from workers.intake import Parsed
+from workers.jobstate import InFlight
+from workers.lease import Fence, new_token
+from workers.outbox import Outbox
+from workers.streams import s
+from schemas.scripts import CLAIM_LUA
+
+WRITES = ("run", "check", "cancelled", "dead")  # verdicts that hold a lease and write for the job
+SOLO_AFTER = 2  # lost-worker batches a job may share before it runs alone (see CLAIM_LUA)
 
 log = logging.getLogger("genpool.worker")
 
@@ -25,20 +32,25 @@ log = logging.getLogger("genpool.worker")
 @dataclass
 class Verdict:
     parsed: Parsed
-    kind: str  # run | check | duplicate | finished | cancelled
+    kind: str  # run | check | duplicate | finished | cancelled | dead | leased
     attempt: int = 1
+    detail: str = ""
+    suspect: int = 0  # how often a worker was lost while it shared that worker's batch
+    fence: Optional[Fence] = None  # this attempt's lease (every verdict that writes has one)
+    prompt: Optional[dict] = None  # prepared engine prompt (token ids)
 
 
-def to_engine_prompt(engine, req: JobRequest) -> dict:
+def to_engine_prompt(engine, req: JobRequest, tokenizer=None) -> dict:
     """Token ids exactly as LLM.generate / LLM.chat would build them (parity with offline runs),
     computed here so the worker knows the prompt length before admitting."""
+    tok = tokenizer or engine.tokenizer
     if req.messages is not None:
         msgs = [m.model_dump() for m in req.messages]
         text = engine.apply_chat_template(msgs)
-        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
         text = req.prompt
-        ids = engine.tokenizer(text)["input_ids"]
+        ids = tok(text)["input_ids"]
     return {"prompt": text, "prompt_token_ids": list(ids)}
 
 
@@ -48,53 +60,97 @@ def make_params(req: JobRequest):
     return SamplingParams(**req.sampling_kwargs())
 
 
+def longest_token_chars(tokenizer) -> Optional[int]:
+    """Characters of the longest vocabulary entry (byte-level BPE: one char per byte), so that a
+    text longer than max_model_len times this is known to be too long without tokenizing it."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        return max(map(len, get_vocab())) if get_vocab else None
+    except (TypeError, ValueError):
+        return None
+
+
+def prepare(engine, parsed: Parsed, tokenizer=None, max_chars: Optional[int] = None) -> Parsed:
+    """Build the engine prompt of a valid request (the slow part of admission: chat template and
+    tokenizer, seconds for a megabyte); a failure becomes the job's invalid_request error."""
+    req = parsed.req
+    if req is None:
+        return parsed
+    chars = len(req.prompt) if req.prompt is not None else sum(len(m.content)
+                                                                 for m in req.messages)
+    if max_chars is not None and chars > max_chars:
+        return _refuse(parsed, f"prompt is {chars} characters, more than the model's limit of "
+                               f"{engine.max_model_len} tokens can hold")
+    try:
+        parsed.extra["prompt"] = to_engine_prompt(engine, req, tokenizer)
+    except Exception as exc:  # noqa: BLE001 - e.g. a chat template refusing the roles
+        return _refuse(parsed, f"could not build the prompt: {type(exc).__name__}: {exc}")
+    return parsed
+
+
+def _refuse(parsed: Parsed, message: str) -> Parsed:
+    return Parsed(parsed.entry, job_id=parsed.job_id,
+                  error=ErrorEvent(code="invalid_request", message=message))
+
+
 class Admitter:
     def __init__(self, r, keys, worker_name: str, served_models: frozenset[str],
-                 outbox: Outbox, max_deliveries: int, job_ttl_s: int):
+                 outbox: Outbox, max_deliveries: int, job_ttl_s: int, lease_ms: int):
         self.r, self.keys, self.name = r, keys, worker_name
         self.served, self.outbox = served_models, outbox
-        self.max_deliveries, self.job_ttl_s = max_deliveries, job_ttl_s
+        self.max_deliveries, self.job_ttl_s, self.lease_ms = max_deliveries, job_ttl_s, lease_ms
         self._claim = r.register_script(CLAIM_LUA)
 
-    def verdicts(self, entries: list[Entry]) -> list[Verdict]:
-        """Parse every entry, then check ownership of all job ids in one round trip."""
-        parsed = [parse_entry(e, self.served) for e in entries]
-        with_id = [p for p in parsed if p.job_id and p.entry.deliveries <= self.max_deliveries]
+    def verdicts(self, parsed: list[Parsed]) -> list[Verdict]:
+        """Check ownership of all job ids in one round trip (and take a lease on each)."""
+        with_id = [p for p in parsed if p.job_id]
         pipe = self.r.pipeline(transaction=False)
         now = f"{time.time():.6f}"
+        tokens = {id(p): new_token(self.name) for p in with_id}
         for p in with_id:
-            self._claim(keys=[self.keys.job(p.job_id)], client=pipe,
-                        args=[p.entry.entry_id, self.name, now, self.job_ttl_s,
-                              "run" if p.ok else "check"])
+            queue_script(pipe, self._claim, [self.keys.job(p.job_id)],
+                         [p.entry.entry_id, self.name, now, self.job_ttl_s,
+                          "run" if p.ok else "check", tokens[id(p)], self.lease_ms,
+                          p.entry.deliveries, self.max_deliveries])
         answers = dict(zip(map(id, with_id), pipe.execute() if with_id else []))
         out = []
         for p in parsed:
-            kind, detail = [s(x) for x in answers.get(id(p), (b"dead", b""))]
-            out.append(Verdict(p, kind, int(detail) if kind == "run" else 1))
+            kind, detail, attempt, suspect = answers.get(id(p), (b"dead", b"", 0, 0))
+            kind, attempt = s(kind), int(attempt)
+            fence = (Fence(tokens[id(p)], attempt) if kind in WRITES and id(p) in tokens
+                     else None)
+            out.append(Verdict(p, kind, attempt, s(detail), int(suspect), fence,
+                               p.extra.get("prompt")))
         return out
 
     def settle(self, v: Verdict) -> Optional[JobRequest]:
         """Handle every verdict but `run`; returns the request when it should be started."""
         p, e = v.parsed, v.parsed.entry
-        if v.kind == "dead":  # no job id, or delivered too often
-            reason = p.dead_reason or (f"delivered {e.deliveries} times (max "
-                                       f"{self.max_deliveries}): its workers died or stalled")
+        if v.kind == "dead":  # no job id, or charged too often
+            reason = p.dead_reason or v.detail
             log.warning("dead-lettering %s %s: %s", e.stream, e.entry_id, reason)
-            self.outbox.dead(e, reason, p.job_id if p.dead_reason is None else None)
+            self.outbox.dead(e, reason, p.job_id if p.dead_reason is None else None, v.fence)
         elif v.kind in ("duplicate", "finished"):
             log.info("job %s (%s): %s, acknowledging without running", p.job_id, e.entry_id,
                      v.kind)
             self.outbox.ack(e)
+        elif v.kind == "leased":  # reclaimed from a live worker: give the entry straight back
+            log.info("job %s is leased by live worker %s; handing its entry back", p.job_id,
+                     v.detail)
+            self.r.xclaim(e.stream, self.keys.group, v.detail or self.name, 0, [e.entry_id],
+                          justid=True)
         elif v.kind == "cancelled":
             self.outbox.error(p.job_id, e, ErrorEvent(code="cancelled",
-                                                      message="cancelled before it started"))
+                                                      message="cancelled before it started"),
+                              v.fence)
         elif v.kind == "check":
             log.info("rejecting job %s: %s", p.job_id, p.error.message)
-            self.outbox.error(p.job_id, e, p.error)
+            self.outbox.error(p.job_id, e, p.error, v.fence)
         elif p.req.deadline is not None and p.req.deadline < time.time():
             self.outbox.error(p.job_id, e, ErrorEvent(
                 code="expired", message=f"deadline {p.req.deadline:.3f} passed "
-                                        f"{time.time() - p.req.deadline:.3f} s before it started"))
+                                        f"{time.time() - p.req.deadline:.3f} s before it started"),
+                v.fence)
         else:
             return p.req
         return None
@@ -103,21 +159,23 @@ class Admitter:
         """add_request; a request the engine refuses becomes an invalid_request error."""
         req, e = v.parsed.req, v.parsed.entry
         try:
-            prompt = to_engine_prompt(engine, req)
+            prompt = v.prompt or to_engine_prompt(engine, req)
             engine.add_request(req.id, prompt, make_params(req), priority=req.priority)
         except ValueError as exc:
-            self.outbox.error(req.id, e, ErrorEvent(code="invalid_request", message=str(exc)))
+            self.outbox.error(req.id, e, ErrorEvent(code="invalid_request", message=str(exc)),
+                              v.fence)
             return None
         except Exception as exc:  # an engine bug must not take the worker down
             log.exception("engine refused job %s", req.id)
             self.outbox.error(req.id, e, ErrorEvent(code="internal",
-                                                    message=f"{type(exc).__name__}: {exc}"))
+                                                    message=f"{type(exc).__name__}: {exc}"),
+                              v.fence)
             return None
         job = InFlight(req=req, entry=e, attempt=v.attempt, admitted_at=time.time(),
-                       prompt_tokens=len(prompt["prompt_token_ids"]))
+                       prompt_tokens=len(prompt["prompt_token_ids"]), fence=v.fence)
         if v.attempt > 1 or e.deliveries > 1:
             self.outbox.restart(req.id, f"rerun (attempt {v.attempt}) after its worker was lost",
-                                v.attempt)
+                                v.fence)
         return job
 
 
@@ -126,12 +184,12 @@ def blocks_needed(job: InFlight, block_size: int) -> int:
     return job.req.n * math.ceil((job.prompt_tokens + job.req.max_tokens) / block_size)
 
 
-def free_capacity(stats: dict, inflight: list[InFlight], max_seqs: int, kv_total: int,
+def free_capacity(stats: EngineStats, inflight: list[InFlight], max_seqs: int, kv_total: int,
                   block_size: int) -> int:
     """Jobs that still fit: free sequence slots (n per job), and KV blocks for the worst case of
     the jobs held (sized by their average, since unread jobs' sizes are unknown)."""
     seqs = sum(j.req.n for j in inflight)
-    slots = min(stats["free_seq_slots"], max_seqs - seqs)
+    slots = min(stats.free_seq_slots, max_seqs - seqs)
     held = [blocks_needed(j, block_size) for j in inflight]
     per_job = max(1, sum(held) // len(held)) if held else 1
     kv_room = (kv_total - sum(held)) // per_job

@@ -15,8 +15,9 @@ from pydantic import ValidationError
 
 from schemas import ErrorEvent, JobRequest, describe_validation_error
 
-_ID_RE = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9_.:\-]{1,128})"')
-_VALID_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+from schemas.keys import JOB_ID_CHARS, JOB_ID_RE as _VALID_ID
+
+_ID_RE = re.compile(rb'"id"\s*:\s*"(' + JOB_ID_CHARS.encode() + rb')"')
 MAX_PAYLOAD_BYTES = 8 << 20  # a request above this is refused before any JSON parsing
 DEAD_PAYLOAD_BYTES = 64 << 10  # how much of a junk entry is copied into the dead-letter stream
 
@@ -29,6 +30,9 @@ class Entry:
     entry_id: str
     fields: dict
     deliveries: int = 1
+    # "new": read fresh (">"), so prefix routing may hand it to a peer; "handed": a peer handed
+    # it to this worker (it is never handed on again); "": reclaimed or our own pending entry
+    origin: str = ""
 
     @property
     def enqueued_at(self) -> float:
@@ -110,7 +114,7 @@ def _validate(entry: Entry, obj, served_models: frozenset[str]) -> Parsed:
     if not (isinstance(job_id, str) and _VALID_ID.match(job_id)):
         why = "missing 'id'" if job_id is None else f"invalid 'id' {str(job_id)[:80]!r}"
         return Parsed(entry, dead_reason=f"job has {why}: nobody could read its result "
-                                         "(ids are 1-128 of [A-Za-z0-9_.:-])")
+                                         "(ids are 1-128 of [A-Za-z0-9_.-])")
     try:
         req = JobRequest.model_validate(obj)
     except ValidationError as e:

@@ -7,7 +7,8 @@ from typing import Optional
 
 from schemas import Choice, JobRequest, ResultEvent, Timings, TokenEvent, Usage
 
-from .intake import Entry
+from workers.intake import Entry
+from workers.lease import Fence
 
 
 @dataclass
@@ -22,6 +23,7 @@ class InFlight:
     prompt_tokens: int = 0
     first_token_at: Optional[float] = None
     ttft_steps: Optional[int] = None  # engine steps that ended between arrival and first token
+    fence: Fence = Fence("", 0)  # this attempt's lease token (workers/lease.py)
 
     @property
     def id(self) -> str:

@@ -1,7 +1,7 @@
 """Observer hooks of the worker loop: how metrics and Flower events see what a worker does.
 
 The worker calls `Observers.emit(hook, ...)` at a handful of points (see `WorkerObserver`); all
-the logic lives in the observers (workers/metrics.py, workers/flower_events.py), so the loop stays
+the logic lives in the observers (workers/integrations/metrics.py, workers/integrations/flower_events.py), so the loop stays
 readable and an observer bug can never take a worker down: a failing hook is logged and skipped.
 Hooks run on the worker loop's thread, between engine steps: they must be cheap and must not
 block for long (the step's latency is every job's inter-token latency).

@@ -1,34 +1,50 @@
-"""Everything a worker writes to Redis during one step, sent as ONE MULTI/EXEC pipeline.
+"""Everything a worker writes to Redis during one step, sent in one pipelined round trip.
 
-One round trip per step keeps Redis off the engine's critical path, and MULTI makes "write the
-result, then XACK" atomic: an entry is never acknowledged without its result stored, and a result
-is never stored without the acknowledgement (which would rerun a finished job after a crash).
+Every write for a job is fenced (workers/lease.py, FENCE_LUA): it lands only while this worker's
+attempt still owns the job, atomically with the check. A terminal write (result or error) is
+acknowledged on its lane stream (XACK + XDEL) in a second round trip, and only when the fenced
+write succeeded: an entry is never acknowledged without its result stored, a worker that lost a
+job can never acknowledge it, and a crash between the two leaves the entry pending for the next
+worker, which finds the job finished and only acknowledges it.
 If the round trip fails (Redis gone), `after_failure` turns the lost batch into something safe to
 resend: every affected job gets a `restart` plus its whole text so far, then its final writes.
+On a Redis Cluster the same holds: each fenced script touches one job's two keys (one slot), the
+acks go in their own round trip, and redis-py's cluster pipeline sends one batch per node.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
+import redis
+
+from schemas.connection import is_cluster
 from schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
 
-from .intake import Entry
-from .jobstate import InFlight
-from .observe import Observers
+from workers.intake import Entry
+from workers.jobstate import InFlight
+from workers.lease import Fence
+from schemas.scripts import FENCE_LUA
+from workers.observe import Observers
 
 log = logging.getLogger("genpool.worker")
 
 # Job hash `state` for each error code; readers rely on these names (docs/protocol.md).
 ERROR_STATES = {"cancelled": "cancelled", "expired": "expired", "dead_lettered": "dead"}
+_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
 class _Op:
-    kind: str  # token | restart | final | dead | ack
-    apply: Callable
+    kind: str  # events | final | release | ack | dead
+    job_id: Optional[str] = None
+    fence: Optional[Fence] = None
+    events: list[str] = field(default_factory=list)  # event JSONs
+    final: tuple = ()  # (state, field) of a terminal write
+    entry: Optional[Entry] = None  # acknowledged once the op (if fenced) landed
+    dead: Optional[dict] = None  # dead-letter fields, added with the ack
     job: Optional[InFlight] = None
 
 
@@ -40,7 +56,7 @@ class Outbox:
         self.events_maxlen, self.dead_maxlen = events_maxlen, dead_maxlen
         self.result_ttl_s, self.job_ttl_s = result_ttl_s, job_ttl_s
         self.ops: list[_Op] = []
-        self._ttl_set: set[str] = set()  # event streams that already carry a TTL
+        self._sha: Optional[str] = None
         # told of every job's end: result() and error() run once per job, resends never do
         self.observers = Observers()
 
@@ -48,100 +64,144 @@ class Outbox:
         return len(self.ops)
 
     # -- events --------------------------------------------------------------------------
-    def _event(self, pipe, job_id: str, ev) -> None:
-        key = self.keys.events(job_id)
-        pipe.xadd(key, {"event": ev.model_dump_json(exclude_none=True)},
-                  maxlen=self.events_maxlen, approximate=True)
-        if job_id not in self._ttl_set:  # bound a stream whose job never finishes
-            pipe.expire(key, self.job_ttl_s)
-            self._ttl_set.add(job_id)
+    def _event_json(self, ev, fence: Fence) -> str:
+        if ev.type != "restart":
+            ev.attempt = fence.attempt
+        return ev.model_dump_json(exclude_none=True)
 
-    def token(self, job_id: str, ev: TokenEvent) -> None:
-        self.ops.append(_Op("token", lambda p: self._event(p, job_id, ev)))
+    def token(self, job_id: str, ev: TokenEvent, fence: Fence) -> None:
+        self.ops.append(_Op("events", job_id, fence, [self._event_json(ev, fence)]))
 
-    def restart(self, job_id: str, reason: str, attempt: int) -> None:
-        ev = RestartEvent(reason=reason, attempt=attempt)
-        self.ops.append(_Op("restart", lambda p: self._event(p, job_id, ev)))
+    def restart(self, job_id: str, reason: str, fence: Fence) -> None:
+        ev = RestartEvent(reason=reason, attempt=fence.attempt)
+        self.ops.append(_Op("events", job_id, fence, [self._event_json(ev, fence)]))
 
-    # -- terminal writes (each one acknowledges its entry in the same MULTI) -------------
-    def _finish(self, pipe, job_id: str, entry: Entry, ev, state: str, field: str) -> None:
-        self._event(pipe, job_id, ev)
-        job_key = self.keys.job(job_id)
-        pipe.hset(job_key, mapping={"state": state, field: ev.model_dump_json(exclude_none=True),
-                                    "finished_at": f"{time.time():.6f}", "worker": self.worker})
-        pipe.expire(job_key, self.result_ttl_s)
-        pipe.expire(self.keys.events(job_id), self.result_ttl_s)
-        self._ack(pipe, entry)
-        self._ttl_set.discard(job_id)
+    def release(self, job_id: str, fence: Fence) -> None:
+        """Hand an unfinished job back (drain timeout): the next worker reruns it uncharged."""
+        self.ops.append(_Op("release", job_id, fence))
 
-    def _ack(self, pipe, entry: Entry) -> None:
-        # Deleting acked entries keeps lane streams bounded (and XLEN = queued + pending).
-        pipe.xack(entry.stream, self.keys.group, entry.entry_id)
-        pipe.xdel(entry.stream, entry.entry_id)
-
+    # -- terminal writes (each one acknowledged after it landed) --------------------------
     def result(self, job: InFlight, ev: ResultEvent) -> None:
         self.observers.emit("job_finished", job, ev)
-        self.ops.append(_Op("final", lambda p: self._finish(p, job.id, job.entry, ev, "done",
-                                                            "result"), job))
+        self.ops.append(_Op("final", job.id, job.fence, [self._event_json(ev, job.fence)],
+                            ("done", "result"), job.entry, job=job))
 
-    def error(self, job_id: str, entry: Entry, ev: ErrorEvent,
-              job: Optional[InFlight] = None) -> None:
+    def error(self, job_id: str, entry: Entry, ev: ErrorEvent, fence: Fence,
+              job: Optional[InFlight] = None, dead: Optional[dict] = None) -> None:
         state = ERROR_STATES.get(ev.code, "error")
         self.observers.emit("job_failed", job_id, ev, job)
-        self.ops.append(_Op("final", lambda p: self._finish(p, job_id, entry, ev, state, "error"),
-                            job))
+        self.ops.append(_Op("final", job_id, fence, [self._event_json(ev, fence)],
+                            (state, "error"), entry, dead, job))
 
     def ack(self, entry: Entry) -> None:
-        self.ops.append(_Op("ack", lambda p: self._ack(p, entry)))
+        """Acknowledge an entry nobody owns a lease on (a duplicate id, a finished job)."""
+        self.ops.append(_Op("ack", entry=entry))
 
-    def dead(self, entry: Entry, reason: str, job_id: Optional[str] = None) -> None:
+    def dead(self, entry: Entry, reason: str, job_id: Optional[str] = None,
+             fence: Optional[Fence] = None) -> None:
         """Move an entry to the dead-letter stream; tell its reader when there is one."""
         fields = {"reason": reason[:2000], "stream": entry.stream, "source_entry": entry.entry_id,
                   "deliveries": entry.deliveries, "payload": entry.dead_payload(),
                   "worker": self.worker, "at": f"{time.time():.6f}"}
-        if job_id:
+        if job_id and fence is not None:
             fields["job_id"] = job_id
+            self.error(job_id, entry, ErrorEvent(code="dead_lettered", message=reason), fence,
+                       dead=fields)
+        else:
+            self.ops.append(_Op("dead", entry=entry, dead=fields))
 
-        def apply(pipe):
-            pipe.xadd(self.keys.dead, fields, maxlen=self.dead_maxlen, approximate=True)
-            if not job_id:
-                self._ack(pipe, entry)
-
-        self.ops.append(_Op("dead", apply))
-        if job_id:
-            self.error(job_id, entry, ErrorEvent(code="dead_lettered", message=reason))
+    def discard(self, job_id: str) -> None:
+        """Forget every queued write for a job this worker no longer holds (they would be
+        refused by the fence anyway; not sending them saves the round trip)."""
+        self.ops = [op for op in self.ops if op.job_id != job_id]
 
     # -- sending -------------------------------------------------------------------------
     def take(self) -> list[_Op]:
         ops, self.ops = self.ops, []
         return ops
 
-    def send(self, r, ops: list[_Op]) -> None:
-        """Send `ops` in one MULTI round trip. Raises redis errors on connection loss."""
-        if not ops:
-            return
-        pipe = r.pipeline(transaction=True)
-        for op in ops:
-            op.apply(pipe)
-        results = pipe.execute(raise_on_error=False)
-        bad = [res for res in results if isinstance(res, Exception)]
-        if bad:  # e.g. WRONGTYPE on a key a client clobbered; the rest of the MULTI still ran
-            log.error("%d of %d writes failed this step; first: %s", len(bad), len(results), bad[0])
+    def _queue(self, pipe, op: _Op) -> None:
+        if op.kind == "events":
+            args = [self.events_maxlen, self.job_ttl_s, *op.events]
+        elif op.kind == "final":
+            args = [self.events_maxlen, self.result_ttl_s, *op.final, f"{time.time():.6f}",
+                    self.worker, *op.events]
+        else:  # release
+            args = []
+        keys = (self.keys.job(op.job_id), self.keys.events(op.job_id))  # one slot: the `{id}` tag
+        if is_cluster(pipe):  # redis-py refuses EVALSHA in cluster pipelines: the body travels
+            pipe.execute_command("EVAL", FENCE_LUA, 2, *keys, op.fence.token, op.kind, *args)
+        else:
+            pipe.evalsha(self._sha, 2, *keys, op.fence.token, op.kind, *args)
 
-    def flush(self, r) -> None:
+    def _ack(self, pipe, op: _Op) -> None:
+        if op.dead is not None:
+            pipe.xadd(self.keys.dead, op.dead, maxlen=self.dead_maxlen, approximate=True)
+        if op.entry is not None:  # deleting acked entries keeps XLEN = queued + pending
+            pipe.xack(op.entry.stream, self.keys.group, op.entry.entry_id)
+            pipe.xdel(op.entry.stream, op.entry.entry_id)
+
+    def send(self, r, ops: list[_Op]) -> set[str]:
+        """Send `ops` (fenced writes, then the acks they earned). Returns the ids of jobs whose
+        lease is gone (their writes were refused). Raises redis errors on connection loss."""
+        fenced = [op for op in ops if op.fence is not None]
+        res = self._run_fenced(r, fenced) if fenced else []
+        lost: set[str] = set()
+        earned = [op for op in ops if op.fence is None]
+        for op, x in zip(fenced, res):
+            if x == 1:
+                if op.kind == "final":
+                    earned.append(op)
+            elif isinstance(x, Exception):  # e.g. WRONGTYPE on a key a client clobbered
+                log.error("job %s: %s write failed: %s", op.job_id, op.kind, x)
+            else:
+                lost.add(op.job_id)
+        if earned:
+            pipe = r.pipeline(transaction=False)
+            for op in earned:
+                self._ack(pipe, op)
+            bad = [x for x in pipe.execute(raise_on_error=False) if isinstance(x, Exception)]
+            for x in bad:
+                if isinstance(x, _DOWN):
+                    raise x
+            if bad:
+                log.error("%d acknowledgements failed; first: %s", len(bad), bad[0])
+        return lost
+
+    def _run_fenced(self, r, ops: list[_Op]) -> list:
+        if self._sha is None and not is_cluster(r):
+            self._sha = r.script_load(FENCE_LUA)
+        pipe = r.pipeline(transaction=False)
+        for op in ops:
+            self._queue(pipe, op)
+        res = pipe.execute(raise_on_error=False)
+        retry = [i for i, x in enumerate(res) if isinstance(x, redis.exceptions.NoScriptError)]
+        if retry:  # Redis restarted or flushed its scripts: load it and send those again
+            self._sha = r.script_load(FENCE_LUA)
+            pipe = r.pipeline(transaction=False)
+            for i in retry:
+                self._queue(pipe, ops[i])
+            for i, x in zip(retry, pipe.execute(raise_on_error=False)):
+                res[i] = x
+        for x in res:
+            if isinstance(x, _DOWN):
+                raise x
+        return res
+
+    def flush(self, r) -> set[str]:
         """Send everything now (on failure the ops stay queued for after_failure)."""
-        self.send(r, self.ops)
+        lost = self.send(r, self.ops)
         self.ops = []
+        return lost
 
     def after_failure(self, live: list[InFlight]) -> None:
         """The last flush may or may not have landed: make a resend idempotent for readers."""
-        keep = [op for op in self.ops if op.kind in ("final", "dead", "ack")]
-        self.ops, self._ttl_set = [], set()
+        keep = [op for op in self.ops if op.kind != "events"]
+        self.ops = []
         jobs = {j.id: j for j in live}
         jobs.update({op.job.id: op.job for op in keep if op.job is not None})
         for job in jobs.values():
-            self.restart(job.id, "worker lost its Redis connection; resending", job.attempt)
+            self.restart(job.id, "worker lost its Redis connection; resending", job.fence)
             for ev in job.replay_events():
-                self.token(job.id, ev)
+                self.token(job.id, ev, job.fence)
         self.ops += keep
-

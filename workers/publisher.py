@@ -8,16 +8,16 @@ ops put back in the outbox, and the usual reconnect-and-resend path takes over.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import redis
 
-from .outbox import Outbox
+from workers.outbox import Outbox
 
 
 class Publisher:
-    def __init__(self, outbox: Outbox, r):
-        self.outbox, self.r = outbox, r
+    def __init__(self, outbox: Outbox, r, on_lost: Callable[[str], None] = lambda job_id: None):
+        self.outbox, self.r, self.on_lost = outbox, r, on_lost
         self._cond = threading.Condition()
         self._batch: Optional[list] = None
         self._failed: Optional[tuple[BaseException, list]] = None
@@ -75,7 +75,8 @@ class Publisher:
                 batch = self._batch
             failed = None
             try:
-                self.outbox.send(self.r, batch)
+                for job_id in self.outbox.send(self.r, batch):  # writes refused: lease gone
+                    self.on_lost(job_id)
             except BaseException as exc:  # handed to the loop's thread, which decides
                 failed = (exc, batch)
             with self._cond:

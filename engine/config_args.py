@@ -1,0 +1,80 @@
+"""Command-line options derived from config dataclasses (as vLLM's EngineArgs.add_cli_args does).
+
+A field `max_num_seqs: int = 64` with `metadata={"help": ...}` becomes `--max-num-seqs N` (type, default
+and help from the field). Metadata may add `choices`, `aliases` (more option strings) and, for
+booleans, `off_aliases` (option strings that set it False; `--no-<name>` always does). Options are
+never listed by hand, so a field cannot be forgotten by a CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(hint):
+    """int | None -> int; frozenset[str] -> str (repeatable); plain types as they are."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _scalar_type(args[0])
+    return hint
+
+
+def add_dataclass_args(group, cls, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> None:
+    """One option per field of dataclass `cls` (except `skip`) on argparse group/parser `group`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        kind = _scalar_type(hints[f.name])
+        opts = (flag(f.name), *meta.get("aliases", ()))
+        kw: dict = {"dest": f.name, "help": meta.get("help")}
+        if f.default is not dataclasses.MISSING:
+            kw["default"] = f.default
+            # the default shows in the help, unless the help already says it (a None or empty
+            # default must: its help tells what none means, e.g. "(default: none: every core)")
+            if f.default not in (None, frozenset(), "") and kw["help"] and "default" not in kw["help"]:
+                kw["help"] += " (default: %(default)s)"
+        elif f.default_factory is not dataclasses.MISSING:
+            kw["default"] = None  # the dataclass makes it (e.g. a per-process name)
+        else:
+            kw["required"] = True
+        if f.name in required:
+            kw["required"] = True
+        if kind is bool:
+            group.add_argument(*opts, action=argparse.BooleanOptionalAction, **kw)
+            for off in meta.get("off_aliases", ()):
+                group.add_argument(off, dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            continue
+        if typing.get_origin(kind) in (frozenset, list, tuple, set):
+            (item,) = typing.get_args(kind)[:1]
+            kw.update(action="append", type=item, default=None)
+        else:
+            kw["type"] = kind
+            if "choices" in meta:
+                kw["choices"] = meta["choices"]
+        group.add_argument(*opts, **kw)
+
+
+def dataclass_kwargs(ns: argparse.Namespace, cls, skip: tuple[str, ...] = ()) -> dict:
+    """The fields of `cls` found on `ns`, converted back to the field types; options left at None
+    for fields with a default factory are omitted (the dataclass makes them)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not hasattr(ns, f.name):
+            continue
+        value = getattr(ns, f.name)
+        if value is None and f.default_factory is not dataclasses.MISSING:
+            continue
+        origin = typing.get_origin(_scalar_type(hints[f.name]))
+        if value is not None and origin in (frozenset, set, tuple):
+            value = origin(value)
+        out[f.name] = value
+    return out

@@ -1,0 +1,174 @@
+"""Model runners for tensor parallelism: rank 0's (`LeaderRunner`, in the engine) and the others'
+(`follower_main`, each in its own process). docs/design.md "Tensor parallelism" has the picture.
+
+Every rank runs ModelRunner.execute on the same scheduled batch: the same prepare() (so the same
+block tables, slots and attention metadata everywhere), its shard of the weights and of the paged
+KV cache, the all-reduces inside the model. Only rank 0 gets whole logits (the vocab gather) and
+samples; the others drop theirs and wait for the next step.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import traceback
+from dataclasses import asdict, replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.cpu_alloc import default_kv_budget
+from engine.distributed import STOP, Comm, StepChannel, die, init_group, watch
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_config
+from engine.models.tp_linear import plan_shard
+from engine.models.tp_loader import load_shard
+
+log = logging.getLogger("genpool.tp")
+
+
+def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """A rank's view: its own GPU; on the CPU its share of the worker's KV budget (the ranks share
+    one host's memory, so N ranks hold kv_cache_memory in all, as one rank would)."""
+    if config.device.startswith("cuda"):
+        return replace(config, device=f"cuda:{rank}")
+    total = config.kv_cache_memory
+    if total is None:  # the single-process default's machine cap, shared out (engine/cpu_alloc.py)
+        total = default_kv_budget(1 << 62)
+    return replace(config, kv_cache_memory=max(1, total // config.tensor_parallel_size))
+
+
+def _threads_per_rank(config: EngineConfig) -> int:
+    """The worker's threads (num_threads, else every core) shared out: ranks must not oversubscribe."""
+    return max(1, (config.num_threads or os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+class TPModelRunner(ModelRunner):
+    """One rank's runner: its shard of the model and of every layer's KV cache."""
+
+    def __init__(self, config: EngineConfig, model_path, max_model_len: int, comm: Comm,
+                 startup=None):
+        self.comm = comm
+        if config.device == "cpu":
+            torch.set_num_threads(_threads_per_rank(config))
+        super().__init__(_rank_config(config, comm.rank), model_path, max_model_len, startup)
+        agreed = comm.min_int(self.num_blocks)  # GPUs may differ in free memory: all take the least
+        if agreed != self.num_blocks:
+            self.num_blocks = agreed
+            self.kv_caches = [(k[:agreed].clone(), v[:agreed].clone()) for k, v in self.kv_caches]
+            self.decode_stack = self.model.build_decode_stack(self.kv_caches, self.rope.shape[0])
+
+    def _load_model(self, model_path):
+        return load_shard(model_path, self.comm.rank, self.comm.size, self.comm, self.dtype, self.device,
+                          self.kern)
+
+
+class LeaderRunner(TPModelRunner):
+    """Rank 0: spawns and watches ranks 1..N-1, broadcasts each step before running it."""
+
+    _active: "LeaderRunner | None" = None  # one process group per process
+
+    def __init__(self, config: EngineConfig, model_path, max_model_len: int, startup=None):
+        if LeaderRunner._active is not None:
+            raise RuntimeError("a tensor-parallel engine is already running in this process; close it first")
+        size = config.tensor_parallel_size
+        args, _ = load_config(model_path)
+        plan_shard(args, 0, size)  # unsupported splits: a clear error before any process starts
+        self._stopping = threading.Event()
+        self._tmp = tempfile.mkdtemp(prefix="genpool-tp-")
+        init = f"file://{self._tmp}/rendezvous"
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = {r: ctx.Process(target=follower_main, name=f"genpool-tp-rank{r}", daemon=True,
+                                     args=(asdict(config), str(model_path), max_model_len, r, init))
+                      for r in range(1, size)}
+        for p in self.procs.values():
+            p.start()
+        watch({r: p.sentinel for r, p in self.procs.items()}, self._rank_died, self._stopping)
+        log.info("tensor parallel: rank 0 of %d (pid %d), ranks %s", size, os.getpid(),
+                 {r: p.pid for r, p in self.procs.items()})
+        try:
+            comm = init_group(0, size, init, torch.device(_rank_config(config, 0).device))
+            LeaderRunner._active = self
+            super().__init__(config, model_path, max_model_len, comm, startup)
+        except BaseException:  # e.g. a KV budget too small for one block: leave no rank behind
+            self._abandon()
+            raise
+        self.channel = StepChannel(comm)
+        atexit.register(self.close)
+
+    def _abandon(self) -> None:
+        self._stopping.set()
+        for p in self.procs.values():
+            p.kill()
+            p.join()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        LeaderRunner._active = None
+
+    def _rank_died(self, rank: int) -> None:
+        p = self.procs[rank]
+        p.join(0.1)
+        for other in self.procs.values():
+            if other.is_alive():
+                other.kill()
+        die(f"tensor-parallel rank {rank} (pid {p.pid}) died (exit code {p.exitcode}): the worker exits "
+            f"now; its unfinished jobs will be reclaimed by other workers")
+
+    def execute(self, scheduled, copies):
+        try:
+            self.channel.send_step(scheduled, copies)
+            return super().execute(scheduled, copies)
+        except Exception:  # the ranks may now disagree about where they are: stop them all
+            die(f"tensor-parallel step failed on rank 0; the worker exits:\n{traceback.format_exc()}")
+
+    def close(self) -> None:
+        """Stop ranks 1..N-1 and leave the process group (idempotent; also runs at exit)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        try:
+            self.channel.send_stop()
+        except Exception as e:  # a rank already gone: the joins below still reap the rest
+            log.warning("tensor parallel: stop broadcast failed: %s", e)
+        for p in self.procs.values():
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        torch.distributed.destroy_process_group()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        LeaderRunner._active = None
+        atexit.unregister(self.close)
+
+
+def follower_main(config: dict, model_path: str, max_model_len: int, rank: int, init: str) -> None:
+    """Rank `rank`'s whole life: load the shard, then run every step rank 0 broadcasts until STOP."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank}: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole process group: rank 0 drains,
+        signal.signal(sig, signal.SIG_IGN)       # then stops us (STOP), or we follow it when it is gone
+    cfg = EngineConfig(**config)
+    stopping = threading.Event()
+    parent = multiprocessing.parent_process()
+    watch({0: parent.sentinel}, lambda _: die(f"tensor-parallel rank {rank}: rank 0 (pid {parent.pid}) "
+                                              f"is gone; exiting"), stopping)
+    try:
+        comm = init_group(rank, cfg.tensor_parallel_size, init, torch.device(_rank_config(cfg, rank).device))
+        runner = TPModelRunner(cfg, model_path, max_model_len, comm)
+        channel = StepChannel(comm)
+        while True:
+            op, scheduled, copies = channel.recv()
+            if op == STOP:
+                break
+            runner.execute(scheduled, copies)
+    except Exception:
+        die(f"tensor-parallel rank {rank} failed:\n{traceback.format_exc()}")
+    stopping.set()
+    torch.distributed.destroy_process_group()
+    logging.shutdown()
+    os._exit(0)  # nothing left to tear down: skipping the interpreter's teardown saves seconds on busy cores

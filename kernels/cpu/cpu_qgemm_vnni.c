@@ -1,0 +1,281 @@
+/* Quantized GEMM on integer dot products (AVX512-VNNI): y[M, N] = x[M, K] @ W (+ bias).
+ *
+ * Why: the widening kernel (cpu_qgemm.c) pays a conversion and an fp32 FMA per weight per row, so
+ * a decode step is bound by that arithmetic (~13 ms for SmolLM2), not by the ~3 ms its packed bytes
+ * take to stream. Here each row of x is quantized to int8 per block of AB = 32 inputs (dx = max|x| /
+ * 127, as llama.cpp's q8 activations; a whole row's one scale, tried first, cost int8 weights 10x
+ * their KL against fp32 on SmolLM2), and one vpdpbusd multiplies 64 unsigned weight bytes by 64
+ * signed activation bytes into 16 int32 sums: the weights are used as stored, never widened.
+ *
+ * Layout (kernels/cpu/qgemm.py QPackedWeight, layout "vnni"): panels of VP = 16 output columns, in
+ * which 4 consecutive k of one column share a 32-bit lane, as vpdpbusd sums them:
+ *   int8  q[P][K / 4][16][4] bytes holding u = q + 128 (vpdpbusd's first operand is unsigned; the
+ *         128 * sum(xq) that adds is removed exactly by starting a group's int32 sum at -128 * sum(xq))
+ *   int4  q[P][K / 8][16][4] bytes: low nibble k = 8j + i, high nibble k = 8j + 4 + i
+ *   scales, offsets (or none) fp32 [P][K / g][16], W = scale * q + offset as in kernels/qtensor.py.
+ * Then y[r, n] = sum_b scale[n, g(b)] * dx[r, b] * sum_{k in b} q[n, k] xq[r, k] + sum_g offset[n, g] *
+ * sx[r, g], with sx the group's sum of the quantized x (sum of dx * sum(xq) over its blocks): the
+ * product is then exactly W times the quantized activations. (The exact sum of x looks better and
+ * is worse: with unsigned q and an offset, scale * q and offset are each larger than W, and their
+ * rounding errors stop cancelling.)
+ * The int32 sums cannot overflow for K < 60,000 (|u * xq| <= 255 * 127 a byte pair).
+ * Threads split panels for decode-sized batches, rows for prompt-sized ones, as cpu_qgemm.c does.
+ * Built only where the compiler targets AVX512-VNNI; elsewhere qvnni_available() is 0 and the
+ * packer keeps the widening layout. Returns 0, or -1 out of memory, -2 a bad argument, -3 no VNNI. */
+#include "cpu_common.h"
+#include "cpu_qgemm.h"
+#include <stdlib.h>
+#include <string.h>
+
+enum { VP = 16, AB = 32, MAX_R = 4, CHUNK_TILES = 16, ROW_SPLIT_TILES = 4 };
+
+typedef struct {
+    const qweight_t *w;
+    const int8_t *xq;        /* [M][K] */
+    const float *dx;         /* [M][K / AB]: activation scale per block */
+    const int32_t *sq;       /* [M][K / AB]: sum of xq (the int8 shift's correction) */
+    const float *sx;         /* [M][G]: sum over the group's blocks of dx * sq (the offsets' factor) */
+    const float *bias;
+    float *y;
+    int64_t m, k, n, ldy;
+    int64_t glu; /* 0, or SwiGLU: n = I outputs, gate panel p pairs with up panel p + glu (= I / VP) */
+} vq_t;
+
+int qvnni_available(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Rows [lo, hi) of x quantized per block of AB: xq = round(x / dx), dx = max|x| / 127 (sq: the
+ * block's sum of xq); sx per weight group: sum over its blocks of dx * sq. */
+typedef struct {
+    const float *x;
+    int64_t ldx, k, g;
+    int8_t *xq;
+    float *dx, *sx;
+    int32_t *sq;
+} quant_t;
+
+static int quantize_rows(const void *arg, int64_t lo, int64_t hi) {
+    const quant_t *a = (const quant_t *)arg;
+    const int64_t B = a->k / AB, G = a->k / a->g, per = a->g / AB;
+    for (int64_t r = lo; r < hi; r++)
+        for (int64_t b = 0; b < B; b++) {
+            const float *x = a->x + r * a->ldx + b * AB;
+            int8_t *q = a->xq + r * a->k + b * AB;
+            const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+            /* cvtps rounds to nearest even (MXCSR default); |x * inv| <= 127 */
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
+            const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            a->dx[r * B + b] = d;
+            a->sq[r * B + b] = qsum;
+            if (b % per == 0) a->sx[r * G + b / per] = 0.f;
+            a->sx[r * G + b / per] += d * (float)qsum;
+        }
+    return 0;
+}
+
+/* Rows r0 .. r0 + R of x against C (1 or 2) panels pan[]: out[r][c * VP + j] (R, C compile-time
+ * after inlining, so every accumulator is a register). Per activation block: int32 sums, then
+ * acc += sums * (scale * dx); per weight group: acc += offset * sx. */
+static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0, const int R, const int64_t *pan,
+                                                       const int C, float *out) {
+    const qweight_t *w = a->w;
+    const int64_t K = a->k, g = w->group, G = K / g, B = K / AB;
+    const int64_t pbytes = w->bits == 8 ? K * VP : K * VP / 2; /* one panel's bytes */
+    const __m512i nib = _mm512_set1_epi8(15);
+    __m512 acc[MAX_R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m512 s[2];
+#pragma GCC unroll 2
+        for (int c = 0; c < C; c++) s[c] = _mm512_loadu_ps(w->scales + (pan[c] * G + gi) * VP);
+        for (int64_t b = gi * g / AB; b < (gi + 1) * g / AB; b++) {
+            __m512i ia[MAX_R][2];
+            const int8_t *xb = a->xq + r0 * K + b * AB;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512i z = w->bits == 8 ? _mm512_set1_epi32(-128 * a->sq[(r0 + r) * B + b]) : _mm512_setzero_si512();
+#pragma GCC unroll 2
+                for (int c = 0; c < C; c++) ia[r][c] = z;
+            }
+            if (w->bits == 8) {
+#pragma GCC unroll 1 /* unrolled, GCC hoists every broadcast of the block and spills them */
+                for (int t = 0; t < AB / 4; t++) {
+                    __m512i wv[2];
+#pragma GCC unroll 2
+                    for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_si512(w->q + pan[c] * pbytes + (b * AB / 4 + t) * 64);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m512i xv = _mm512_set1_epi32(load_i32(xb + r * K + 4 * t));
+#pragma GCC unroll 2
+                        for (int c = 0; c < C; c++) ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], wv[c], xv);
+                    }
+                }
+            } else {
+#pragma GCC unroll 1
+                for (int t = 0; t < AB / 8; t++) {
+                    __m512i lo[2], hi[2];
+#pragma GCC unroll 2
+                    for (int c = 0; c < C; c++) {
+                        const __m512i v = _mm512_loadu_si512(w->q + pan[c] * pbytes + (b * AB / 8 + t) * 64);
+                        lo[c] = _mm512_and_si512(v, nib);
+                        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                    }
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m512i xl = _mm512_set1_epi32(load_i32(xb + r * K + 8 * t));
+                        const __m512i xh = _mm512_set1_epi32(load_i32(xb + r * K + 8 * t + 4));
+#pragma GCC unroll 2
+                        for (int c = 0; c < C; c++)
+                            ia[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ia[r][c], lo[c], xl), hi[c], xh);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512 d = _mm512_set1_ps(a->dx[(r0 + r) * B + b]);
+#pragma GCC unroll 2
+                for (int c = 0; c < C; c++)
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][c]), _mm512_mul_ps(s[c], d), acc[r][c]);
+            }
+        }
+        if (w->offsets) {
+#pragma GCC unroll 2
+            for (int c = 0; c < C; c++) {
+                const __m512 o = _mm512_loadu_ps(w->offsets + (pan[c] * G + gi) * VP);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a->sx[(r0 + r) * G + gi]), acc[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + (r * C + c) * VP, acc[r][c]);
+}
+
+#define TILE_CASE(R, C) \
+    case (R) * 4 + (C): tile(a, r0, R, pan, C, out); break;
+
+static void tile_any(const vq_t *a, int64_t r0, int R, const int64_t *pan, int C, float *out) {
+    switch (R * 4 + C) {
+        TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
+        TILE_CASE(1, 2) TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)
+    }
+}
+
+/* Units: SwiGLU gate panels, else pairs of panels. */
+static inline int64_t units_of(const vq_t *a) {
+    const int64_t panels = a->glu ? a->n / VP : (a->n + VP - 1) / VP;
+    return a->glu ? panels : (panels + 1) / 2;
+}
+
+/* Rows [r0, r1) x units [u0, u1): per unit, every row tile (the unit's weights stay in L1). */
+static void block(const vq_t *a, int64_t r0, int64_t r1, int64_t u0, int64_t u1) {
+    float out[MAX_R * 2 * VP];
+    const int64_t panels = (a->n + VP - 1) / VP;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t p = a->glu ? u : 2 * u, pan[2] = {p, a->glu ? p + a->glu : p + 1};
+        const int C = a->glu || p + 1 < panels ? 2 : 1;
+        const int64_t col = p * VP, cols = a->glu ? VP : (a->n - col < C * VP ? a->n - col : C * VP);
+        for (int64_t r = r0; r < r1; r += MAX_R) {
+            const int R = (int)(r1 - r < MAX_R ? r1 - r : MAX_R);
+            tile_any(a, r, R, pan, C, out);
+            for (int i = 0; i < R; i++) {
+                float *y = a->y + (r + i) * a->ldy + col;
+                const float *t = out + i * C * VP;
+                if (a->glu) {
+                    silu_mul_f32(t, t + VP, y, VP);
+                    continue;
+                }
+                if (a->bias)
+                    for (int64_t j = 0; j < cols; j++) y[j] = t[j] + a->bias[col + j];
+                else
+                    memcpy(y, t, sizeof(float) * cols);
+            }
+        }
+    }
+}
+
+static int by_units(const void *arg, int64_t lo, int64_t hi) {
+    block((const vq_t *)arg, 0, ((const vq_t *)arg)->m, lo, hi);
+    return 0;
+}
+
+/* Prompt-sized: threads take tiles of rows, in chunks whose xq (CHUNK_TILES * MAX_R rows) stays in L2. */
+static int by_rows(const void *arg, int64_t lo, int64_t hi) {
+    const vq_t *a = (const vq_t *)arg;
+    const int64_t r1 = hi * MAX_R < a->m ? hi * MAX_R : a->m, units = units_of(a);
+    for (int64_t r = lo * MAX_R; r < r1; r += CHUNK_TILES * MAX_R)
+        block(a, r, r + CHUNK_TILES * MAX_R < r1 ? r + CHUNK_TILES * MAX_R : r1, 0, units);
+    return 0;
+}
+
+static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
+    const qweight_t *w = a->w;
+    if ((w->bits != 8 && w->bits != 4) || w->group <= 0 || w->group % AB || a->k % w->group || a->m < 0 || a->n <= 0)
+        return -2;
+    if (a->m == 0) return 0;
+    const int64_t G = a->k / w->group, B = a->k / AB;
+    int8_t *xq = malloc((size_t)(a->m * a->k));
+    float *fs = malloc(sizeof(float) * a->m * (B + G));
+    int32_t *sq = malloc(sizeof(int32_t) * a->m * B);
+    int rc = -1;
+    if (xq && fs && sq) {
+        const quant_t qa = {x, ldx, a->k, w->group, xq, fs, fs + a->m * B, sq};
+        rc = parallel_rows(quantize_rows, &qa, a->m, a->k, nthreads);
+        a->xq = xq, a->dx = fs, a->sx = fs + a->m * B, a->sq = sq;
+        const int64_t tiles = (a->m + MAX_R - 1) / MAX_R, pair = a->glu ? 2 : 1;
+        if (!rc)
+            rc = tiles >= ROW_SPLIT_TILES * nthreads
+                     ? parallel_rows(by_rows, a, tiles, a->k * a->n * pair, nthreads)
+                     : parallel_rows(by_units, a, units_of(a), a->m * a->k * 2 * VP * pair, nthreads);
+    }
+    free(xq), free(fs), free(sq);
+    return rc;
+}
+#endif
+
+int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
+               int64_t ldx, int64_t ldy, int nthreads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    vq_t a = {w, 0, 0, 0, 0, bias, y, m, k, n, ldy, 0};
+    return run(&a, x, ldx, nthreads);
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)m, (void)k, (void)n, (void)ldx, (void)ldy, (void)nthreads;
+    return -3;
+#endif
+}
+
+/* y[M, I] = silu(x @ gate) * (x @ up) for W = [gate | up] packed as one [K, 2I] weight (I whole panels). */
+int qvnni_gemm_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, int64_t k, int64_t inter,
+                      int64_t ldx, int64_t ldy, int nthreads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (inter < VP || inter % VP) return -4;
+    vq_t a = {w, 0, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
+    return run(&a, x, ldx, nthreads);
+#else
+    (void)x, (void)w, (void)y, (void)m, (void)k, (void)inter, (void)ldx, (void)ldy, (void)nthreads;
+    return -3;
+#endif
+}

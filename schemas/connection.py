@@ -1,0 +1,278 @@
+"""One connection factory for every genpool component: a URL in, a redis-py client out.
+
+The URL alone says which topology it is (no extra flag to forget on one of the components):
+
+    redis://[user:pass@]host:port/db   rediss://...   unix:///path.sock?db=0
+        one server (redis-py's own from_url rules)
+    redis+cluster://[user:pass@]host:port[,host:port...]        rediss+cluster://... (TLS)
+        Redis Cluster (redis-py's RedisCluster); any reachable node is enough to discover the rest
+    redis+sentinel://[user:pass@]host:port[,host:port...]/service_name[/db][?sentinel_password=...]
+        the master Sentinel names `service_name` (redis-py's Sentinel.master_for); user:pass are
+        the master's, sentinel_password the sentinels' own (if they require one)
+
+Stdlib + redis only: producers must not need anything more.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from schemas.keys import LANES
+
+CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
+SENTINEL_SCHEMES = {"redis+sentinel": False}
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: str  # "single" | "cluster" | "sentinel"
+    url: str
+    nodes: tuple[tuple[str, int], ...] = ()
+    service: Optional[str] = None
+    db: int = 0
+    username: Optional[str] = None
+    password: Optional[str] = None
+    tls: bool = False
+    sentinel_password: Optional[str] = None
+
+    def auth(self) -> dict:
+        return {k: v for k, v in (("username", self.username), ("password", self.password)) if v}
+
+
+def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
+    hosts = netloc.rsplit("@", 1)[-1]
+    out = []
+    for part in hosts.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad host:port {part!r} in Redis URL {mask(url)!r}")
+        out.append((host.strip("[]"), int(port)))
+    return tuple(out)
+
+
+def _userinfo(netloc: str) -> tuple[Optional[str], Optional[str]]:
+    if "@" not in netloc:
+        return None, None
+    info = netloc.rsplit("@", 1)[0]
+    user, _, password = info.partition(":")
+    return unquote(user) or None, unquote(password) or None
+
+
+def parse(url: str) -> Target:
+    """What a URL names; raises ValueError with the accepted forms when it is malformed."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in CLUSTER_SCHEMES and scheme not in SENTINEL_SCHEMES:
+        return Target("single", url)
+    u = urlsplit(url)
+    user, password = _userinfo(u.netloc)
+    if scheme in CLUSTER_SCHEMES:
+        if u.path.strip("/") not in ("", "0"):
+            raise ValueError(f"Redis Cluster has only database 0: {mask(url)!r}")
+        return Target("cluster", url, _nodes(u.netloc, url), username=user, password=password,
+                      tls=CLUSTER_SCHEMES[scheme])
+    parts = [p for p in u.path.split("/") if p]
+    if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError(f"a Sentinel URL is redis+sentinel://host:port[,host:port]/"
+                         f"service_name[/db]; got {mask(url)!r}")
+    query = parse_qs(u.query)
+    return Target("sentinel", url, _nodes(u.netloc, url), service=unquote(parts[0]),
+                  db=int(parts[1]) if len(parts) == 2 else 0, username=user, password=password,
+                  sentinel_password=(query.get("sentinel_password") or [None])[0])
+
+
+def mask(url: str) -> str:
+    """The URL with any password replaced by ***, for logs and errors."""
+    if "://" not in url or "@" not in url.split("://", 1)[1].split("/", 1)[0]:
+        return url
+    scheme, rest = url.split("://", 1)
+    info, host = rest.split("@", 1)
+    user = info.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"
+
+
+def connect(url: str, **kwargs: Any):
+    """A sync client for `url`: redis.Redis, or RedisCluster. kwargs: redis-py connection
+    options (decode_responses, socket_timeout, socket_connect_timeout, ...)."""
+    t = parse(url)
+    if t.kind == "single":
+        return redis.Redis.from_url(url, **kwargs)
+    if t.kind == "cluster":
+        r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], ssl=t.tls,
+                         **t.auth(), **kwargs)
+        _unreachable_is_a_lost_connection(r.nodes_manager)
+        return r
+    from redis.sentinel import Sentinel
+
+    sentinel = Sentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **kwargs)
+    return sentinel.master_for(t.service, db=t.db, **t.auth())
+
+
+def connect_async(url: str, max_connections: Optional[int] = None, **kwargs: Any):
+    """The asyncio twin of connect(). With max_connections on one server the pool blocks for a
+    free connection rather than failing (a gateway's streaming requests each hold one); in a
+    cluster the cap is per node; behind Sentinel it is a hard cap (redis-py has no blocking
+    Sentinel pool: past it, commands fail with MaxConnectionsError). Without it, redis-py's
+    defaults apply (100 connections for one server or Sentinel)."""
+    import redis.asyncio as aredis
+
+    t = parse(url)
+    if t.kind == "single":
+        if max_connections is None:
+            return aredis.Redis.from_url(url, **kwargs)
+        pool = aredis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                      timeout=None, **kwargs)
+        return aredis.Redis(connection_pool=pool)
+    if t.kind == "cluster":
+        from redis.asyncio.cluster import ClusterNode as AsyncNode
+        from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+        extra = {"max_connections": max_connections} if max_connections else {}
+        r = AsyncCluster(startup_nodes=[AsyncNode(h, p) for h, p in t.nodes], ssl=t.tls,
+                         **t.auth(), **extra, **kwargs)
+        _unreachable_is_a_lost_connection(r.nodes_manager, aio=True)
+        return r
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+    sentinel = AsyncSentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **kwargs)
+    extra = {"max_connections": max_connections} if max_connections else {}
+    return sentinel.master_for(t.service, db=t.db, **t.auth(), **extra)
+
+
+class ClusterUnreachable(redis.exceptions.ConnectionError):
+    """No node of a Redis Cluster answers (every node down at once, e.g. a cluster restart)."""
+
+
+def _unreachable(e: Exception) -> bool:
+    return type(e) is redis.exceptions.RedisClusterException and "cannot be connected" in str(e)
+
+
+def _unreachable_is_a_lost_connection(manager, aio: bool = False) -> None:
+    """redis-py's cluster clients raise a bare RedisClusterException ("Redis Cluster cannot be
+    connected") when, after a lost connection, no node answers the topology refresh; every
+    reconnect loop here (workers, readers, producers) waits out a ConnectionError, and would
+    die on that one. This client's topology refresh raises ClusterUnreachable instead."""
+    if aio:  # the asyncio NodesManager has __slots__: give it a subclass that converts
+        manager.__class__ = _aio_manager(type(manager))
+        return
+    initialize = manager.initialize
+
+    def wrapped(*a, **k):
+        try:
+            return initialize(*a, **k)
+        except redis.exceptions.RedisClusterException as e:
+            if _unreachable(e):
+                raise ClusterUnreachable(str(e)) from e
+            raise
+    manager.initialize = wrapped
+
+
+_AIO_MANAGERS: dict = {}
+
+
+def _aio_manager(base: type) -> type:
+    """A slot-compatible subclass of redis-py's asyncio NodesManager whose topology refresh
+    raises ClusterUnreachable (one class per base, made on first use)."""
+    if base not in _AIO_MANAGERS:
+        async def initialize(self, *a, **k):
+            try:
+                return await base.initialize(self, *a, **k)
+            except redis.exceptions.RedisClusterException as e:
+                if _unreachable(e):
+                    raise ClusterUnreachable(str(e)) from e
+                raise
+        _AIO_MANAGERS[base] = type(base.__name__, (base,), {"__slots__": (),
+                                                           "initialize": initialize})
+    return _AIO_MANAGERS[base]
+
+
+def _sentinel_kwargs(t: Target, kwargs: dict) -> dict:
+    # Sentinels answer plain RESP without decoding or auth unless told; keep the timeouts.
+    out = {k: v for k, v in kwargs.items() if k in ("socket_timeout", "socket_connect_timeout")}
+    if t.sentinel_password:
+        out["password"] = t.sentinel_password
+    return out
+
+
+def is_cluster(r) -> bool:
+    """True for a (sync or asyncio) RedisCluster client or one of its pipelines: multi-key
+    commands, MULTI and Lua must then stay within one hash slot."""
+    from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+    from redis.cluster import ClusterPipeline
+
+    return isinstance(r, (RedisCluster, ClusterPipeline, AsyncCluster, AsyncClusterPipeline))
+
+
+def queue_script(pipe, script, keys: list, args: list) -> None:
+    """Queue a registered Script on a sync pipeline. redis-py refuses EVALSHA (and its eval()
+    method) in cluster pipelines, so there the script's body travels with a plain EVAL command
+    (Redis still caches the compiled script by its SHA; the cost is the body's bytes)."""
+    if is_cluster(pipe):
+        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    else:
+        script(keys=keys, args=args, client=pipe)
+
+
+def xread_one(r, key: str, last: str, count: int, block: int):
+    """XREAD BLOCK of one stream (sync or asyncio client; await the result of the latter). In a
+    cluster it goes straight to the key's node: XREAD's keys are 'movable', so redis-py would
+    first ask a node COMMAND GETKEYS on every call (a second round trip), and its asyncio client
+    races doing that from concurrent tasks on one connection."""
+    if is_cluster(r):
+        return r.execute_command("XREAD", "COUNT", count, "BLOCK", block, "STREAMS", key, last,
+                                 target_nodes=r.get_node_from_key(key))
+    return r.xread({key: last}, count=count, block=block)
+
+
+def backoff(first: float = 0.05, cap: float = 2.0) -> Iterator[float]:
+    """Retry delays for a Redis that stopped answering: doubling from `first` up to `cap`."""
+    delay = first
+    while True:
+        yield delay
+        delay = min(cap, delay * 2)
+
+
+def queue_lane_depths(pipe, keys) -> None:
+    """Queue, on a sync or asyncio pipeline, what lane_depths() reads: XLEN and the group's
+    XPENDING summary of every lane of every lane shard."""
+    for stream in keys.all_jobs():
+        pipe.xlen(stream)
+        pipe.xpending(stream, keys.group)
+
+
+def lane_depths(replies: list) -> dict[str, tuple[int, int]]:
+    """{lane: (queued, pending)} from queue_lane_depths()' replies (executed with
+    raise_on_error=False: a lane or group not created yet counts as empty). Workers delete the
+    entries they ack (docs/protocol.md), so a stream holds exactly its queued (never delivered)
+    entries plus the pending ones."""
+    out = {lane: (0, 0) for lane in LANES}
+    for i in range(len(replies) // 2):  # shard by shard, LANES order within a shard
+        lane = LANES[i % len(LANES)]
+        queued, pend = out[lane]
+        length, summary = replies[2 * i], replies[2 * i + 1]
+        pending = int(summary["pending"]) if isinstance(summary, dict) else 0
+        length = length if isinstance(length, int) else 0
+        out[lane] = (queued + max(0, length - pending), pend + pending)
+    return out
+
+
+def stored_shards(value) -> int:
+    """The `lane_shards` field of the meta hash as workers published it (1 when unset)."""
+    try:
+        return max(1, int(value)) if value is not None else 1
+    except (TypeError, ValueError):
+        return 1
+
+
+def delete_prefix(r, prefix: str, batch: int = 500) -> int:
+    """Delete every key under `<prefix>:` (sync client; on a cluster scan_iter visits every
+    master and delete splits by slot). For throwaway prefixes (demo, tests, benchmarks); never
+    a FLUSHDB, which would take other users' keys. Returns how many keys were deleted."""
+    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+    for i in range(0, len(keys), batch):
+        r.delete(*keys[i:i + batch])
+    return len(keys)

@@ -1,0 +1,259 @@
+"""The worker's Redis side (real Redis, deterministic fake engine: fast, no torch)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from producer import Client
+from schemas.connection import connect
+from schemas import parse_event
+from tests.fake_engine import FakeEngine, expected_for_prompt, expected_text
+from tests.pool_helpers import client_env, wait_for, worker_thread
+
+
+@pytest.fixture
+def env(topology_url):
+    """One server, then a 3-master Redis Cluster (tests/conftest.py)."""
+    with client_env(topology_url, "wrk") as e:
+        yield e
+
+
+def raw_events(c: Client, job_id: str) -> list:
+    return [parse_event(f["event"]) for _, f in c.redis.xrange(c.keys.events(job_id))]
+
+
+def test_jobs_stream_and_finish(env):
+    url, prefix, c = env
+    eng = FakeEngine(max_num_seqs=4)
+    specs = [dict(prompt=f"job {i}", max_tokens=3 + i % 5, priority=i % 3 - 1) for i in range(24)]
+    specs.append(dict(messages=[{"role": "user", "content": "hi"}], max_tokens=4))
+    with worker_thread(eng, url, prefix):
+        jobs = c.submit_many(specs)
+        for spec, job in zip(specs, jobs):
+            streamed = "".join(e.text for e in job.stream(timeout=10))
+            res = job.result()
+            if "prompt" in spec:
+                want = expected_for_prompt(spec["prompt"], spec["max_tokens"])
+            else:  # chat prompts are tokenized without BOS, as LLM.chat does
+                ids = eng.tokenizer(eng.apply_chat_template(spec["messages"]),
+                                    add_special_tokens=False)["input_ids"]
+                want = expected_text(ids, spec["max_tokens"])
+            assert streamed == res.text == want
+            assert res.finish_reason == "length" and res.usage.completion_tokens == len(res.text)
+            assert 0 <= res.timings.queued_s <= res.timings.ttft_s <= res.timings.total_s
+    st = c.status()
+    assert all(v == {"queued": 0, "pending": 0} for v in st["lanes"].values())
+    assert c.redis.ttl(c.keys.job(jobs[0].id)) > 0 and c.redis.ttl(c.keys.events(jobs[0].id)) > 0
+
+
+def test_job_id_runs_once_even_via_raw_xadd(env):
+    url, prefix, c = env
+    eng = FakeEngine()
+    payload = json.dumps({"id": "dup", "prompt": "same", "max_tokens": 3})
+    c.redis.xadd(c.keys.jobs("normal"), {"job": payload})
+    c.redis.xadd(c.keys.jobs("normal"), {"job": payload})
+    c.submit("same", job_id="dup", max_tokens=3)  # a third entry (raw XADDs left no hash)
+    assert c.submit("same", job_id="dup", max_tokens=3).duplicate  # now the hash exists
+    with worker_thread(eng, url, prefix):
+        assert c.job("dup").result(timeout=10).text == expected_for_prompt("same", 3)
+        wait_for(lambda: c.status()["lanes"]["normal"] == {"queued": 0, "pending": 0})
+    assert eng.added == 1
+    assert [e.type for e in raw_events(c, "dup")].count("result") == 1
+
+
+def test_cancel_stops_within_a_step(env):
+    url, prefix, c = env
+    eng = FakeEngine(step_delay=0.02)
+    with worker_thread(eng, url, prefix):
+        job = c.submit("long one", max_tokens=2000)
+        stream = job.stream(timeout=10)
+        next(stream)
+        job.cancel()
+        t0 = time.monotonic()
+        rest = list(stream)
+        res = job.result()
+        assert res.error.code == "cancelled" and time.monotonic() - t0 < 1.0
+        assert len(rest) <= 3 and not eng.requests  # aborted in the engine: blocks freed
+    assert c.job(job.id).info()["state"] == "cancelled"
+
+
+def test_cancel_before_start_and_deadlines(env):
+    url, prefix, c = env
+    pre = c.submit("never", max_tokens=5)
+    pre.cancel()
+    late = c.submit("late", max_tokens=5, deadline=time.time() - 1)
+    eng = FakeEngine(step_delay=0.02)
+    with worker_thread(eng, url, prefix):
+        assert pre.result(timeout=10).error.code == "cancelled"
+        res = late.result(timeout=10, raise_on_error=False)
+        assert res.error.code == "expired" and "before it started" in res.error.message
+        running = c.submit("slow", max_tokens=5000, deadline=time.time() + 0.5)
+        res = running.result(timeout=10, raise_on_error=False)
+        assert res.error.code == "expired" and "after" in res.error.message
+        assert not eng.requests
+    assert eng.added == 1  # only the job whose deadline passed while running was started
+
+
+def test_hostile_entries(env):
+    url, prefix, c = env
+    lane = c.keys.jobs("normal")
+    c.redis.xadd(lane, {"junk": "x"})
+    c.redis.xadd(lane, {"job": b"\xff\xfe not even json"})
+    c.redis.xadd(lane, {"job": '{"id": "b1", "prompt": "x", "max_tokens": -4}'})
+    c.redis.xadd(lane, {"job": '{"id": "b2", "prompt": "x", "model": "other"}'})
+    c.redis.xadd(lane, {"job": '{"id": "b3", "prompt": "' + "x" * 5000 + '"}'})
+    good = c.submit("fine", max_tokens=3)
+    with worker_thread(FakeEngine(max_model_len=4096), url, prefix) as w:
+        assert good.result(timeout=10).text == expected_for_prompt("fine", 3)
+        assert c.job("b1").result(timeout=5, raise_on_error=False).error.code == "invalid_request"
+        assert c.job("b2").result(timeout=5, raise_on_error=False).error.code == "unknown_model"
+        err = c.job("b3").result(timeout=5, raise_on_error=False).error
+        assert err.code == "invalid_request" and "prompt is 5001 tokens" in err.message
+        wait_for(lambda: c.redis.xlen(c.keys.dead) == 2, what="2 dead letters")
+        assert w.started and not w.stopping
+    assert c.status()["dead"]["count"] == 2  # status copes with junk bytes
+    dead = connect(url).xrange(c.keys.dead)
+    assert any(f[b"payload"] == rb"\xff\xfe not even json" for _, f in dead)
+    reasons = [f[b"reason"].decode() for _, f in dead]
+    assert any("no 'job' field" in r for r in reasons)
+    assert any("not valid UTF-8" in r for r in reasons)
+
+
+def _ghost_take(c: Client, n_times: int = 1) -> list:
+    """Deliver everything queued to a consumer that then 'dies' (never acks)."""
+    from workers.streams import ensure_groups
+
+    ensure_groups(c.redis, c.keys)
+    got = c.redis.xreadgroup(c.keys.group, "ghost", {c.keys.jobs("normal"): ">"}, count=100)
+    ids = [i for i, _ in got[0][1]]
+    for _ in range(n_times - 1):
+        c.redis.xclaim(c.keys.jobs("normal"), c.keys.group, "ghost", 0, ids)
+    return ids
+
+
+def test_entries_of_a_dead_worker_are_reclaimed(env):
+    url, prefix, c = env
+    jobs = c.submit_many([dict(prompt=f"r{i}", max_tokens=4) for i in range(5)])
+    assert len(_ghost_take(c)) == 5
+    with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=300):
+        for i, job in enumerate(jobs):
+            streamed = "".join(e.text for e in job.stream(timeout=10))
+            assert streamed == job.result().text == expected_for_prompt(f"r{i}", 4)
+            assert raw_events(c, job.id)[0].type == "restart"
+
+
+def test_too_many_deliveries_go_to_the_dead_stream(env):
+    url, prefix, c = env
+    job = c.submit("poison", max_tokens=4)
+    _ghost_take(c, n_times=3)  # delivered 3 times; the reclaim makes it 4 > max 3
+    with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=200, max_deliveries=3):
+        err = job.result(timeout=10, raise_on_error=False).error
+        assert err.code == "dead_lettered" and "delivered 4 times" in err.message
+    (_, dead), = c.redis.xrange(c.keys.dead)
+    assert dead["job_id"] == job.id and json.loads(dead["payload"])["id"] == job.id
+    assert c.status()["lanes"]["normal"] == {"queued": 0, "pending": 0}
+
+
+def test_long_jobs_are_not_stolen_from_a_live_worker(env):
+    url, prefix, c = env
+    job = c.submit("long", max_tokens=60)
+    with worker_thread(FakeEngine(step_delay=0.03), url, prefix, claim_idle_ms=300):
+        wait_for(lambda: c.redis.exists(c.keys.events(job.id)), what="first token")
+        with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=300):
+            assert job.result(timeout=20).text == expected_for_prompt("long", 60)
+    assert "restart" not in [e.type for e in raw_events(c, job.id)]
+
+
+def test_sigterm_drain_finishes_in_flight(env):
+    url, prefix, c = env
+    eng = FakeEngine(step_delay=0.02)
+    with worker_thread(eng, url, prefix, drain_timeout_s=10) as w:
+        jobs = c.submit_many([dict(prompt=f"d{i}", max_tokens=30) for i in range(3)])
+        wait_for(lambda: len(w.inflight) == 3, what="3 in flight")
+        w.stop()
+        # A poll already in flight when stop() lands may still take one entry; submit only after
+        # the worker has gone through two more ticks, so the pull is known to be switched off.
+        steps = w.steps
+        wait_for(lambda: w.steps >= steps + 2 or not w.inflight, what="two ticks after stop")
+        queued_later = c.submit("after stop", max_tokens=3)
+    assert all(j.result(timeout=1).text == expected_for_prompt(f"d{i}", 30)
+               for i, j in enumerate(jobs))
+    assert c.status()["lanes"]["normal"] == {"queued": 1, "pending": 0}  # left for others
+    assert not c.status()["workers"]  # said goodbye
+    assert queued_later.info()["state"] == "queued"
+
+
+def test_drain_timeout_releases_the_rest(env):
+    url, prefix, c = env
+    job = c.submit("unfinished", max_tokens=80)
+    with worker_thread(FakeEngine(step_delay=0.02), url, prefix, drain_timeout_s=0.3) as w:
+        wait_for(lambda: c.redis.exists(c.keys.events(job.id)), what="first token")
+    assert c.status()["lanes"]["normal"]["pending"] == 1 and w.counts["done"] == 0
+    with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=200):
+        text = "".join(e.text for e in job.stream(timeout=10))
+    assert text == job.result().text == expected_for_prompt("unfinished", 80)
+    assert "restart" in [e.type for e in raw_events(c, job.id)]
+
+
+def test_high_lane_overtakes_a_full_engine(env):
+    url, prefix, c = env
+    eng = FakeEngine(max_num_seqs=2, step_delay=0.01)
+    with worker_thread(eng, url, prefix) as w:
+        bulk = c.submit_many([dict(prompt=f"b{i}", max_tokens=40, priority=5) for i in range(20)])
+        wait_for(lambda: len(w.inflight) == 2, what="engine full")
+        vip = c.submit("vip", max_tokens=5, priority=-1)
+        res = vip.result(timeout=10)
+        # arrival mid-step k -> read before step k+1 -> first token from step k+1: 2 steps
+        # (3 allowed: entry ids have millisecond resolution)
+        assert res.timings.ttft_steps is not None and 1 <= res.timings.ttft_steps <= 3
+        assert len(w.inflight) <= 2 + w.cfg.high_burst
+        done_before = sum(c.job(j.id).info().get("state") == "done" for j in bulk)
+        assert done_before <= 2
+        for j in bulk:
+            j.stop_waiting = j.result(timeout=30)
+
+
+def test_lane_streams_deleted_under_a_running_worker(env):
+    url, prefix, c = env
+    with worker_thread(FakeEngine(), url, prefix):
+        assert c.submit("a", max_tokens=2).result(timeout=10).ok
+        c.redis.delete(*c.keys.all_jobs())  # groups gone: the worker gets NOGROUP
+        time.sleep(0.5)
+        assert c.submit("b", max_tokens=2).result(timeout=10).text == expected_for_prompt("b", 2)
+
+
+def test_sigterm_on_a_worker_process_drains(env, tmp_path):
+    import signal
+
+    from tests.pool_helpers import spawn_worker, workers_alive
+
+    url, prefix, c = env
+    proc = spawn_worker(url, prefix, "fake", "sig", "--engine-factory", "tests.fake_engine:make",
+                        "--max-num-seqs", "4", "--drain-timeout", "20",
+                        env={"GENPOOL_FAKE_STEP_DELAY": "0.02"}, log_path=tmp_path / "w.log")
+    try:
+        wait_for(lambda: workers_alive(url, prefix) == 1, timeout=60, what="worker up")
+        jobs = c.submit_many([dict(prompt=f"s{i}", max_tokens=40) for i in range(10)])
+        wait_for(lambda: c.status()["lanes"]["normal"]["pending"] == 4, what="4 in flight")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    states = [c.job(j.id).info()["state"] for j in jobs]
+    assert states.count("done") >= 4 and states.count("queued") >= 1  # in flight finished
+    assert c.status()["lanes"]["normal"]["pending"] == 0  # nothing left half-done
+    assert "draining" in (tmp_path / "w.log").read_text()
+
+
+def test_worker_reloads_its_read_script_after_redis_forgets_it(env):
+    """poll() calls READ_LUA by EVALSHA inside a pipeline; a Redis restart or SCRIPT FLUSH must
+    not stop the worker from pulling jobs."""
+    url, prefix, c = env
+    with worker_thread(FakeEngine(), url, prefix):
+        long = c.submit("long", max_tokens=200)  # keeps the worker stepping (non-idle poll path)
+        assert c.submit("a", max_tokens=2).result(timeout=10).ok
+        c.redis.script_flush()
+        assert c.submit("b", max_tokens=2).result(timeout=10).text == expected_for_prompt("b", 2)
+        assert long.result(timeout=30).ok

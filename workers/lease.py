@@ -1,0 +1,206 @@
+"""Job leases: a worker's right to write for a job, renewed off the engine loop, checked on every
+write (fencing).
+
+CLAIM_LUA (schemas/scripts.py) gives each attempt at a job a fresh random token, stored in the job
+hash as `owner` with a `lease_until` (Redis TIME, ms). Every write a worker makes for that job
+(token events, restart, result, error, release) goes through FENCE_LUA, which applies it only while
+`owner` is still that token. A worker that stalled past its lease (SIGSTOP, a blocked loop, a
+partition) and was replaced therefore cannot add a token or a second result: its writes come back
+refused and it drops the job. Both scripts touch only the job hash and its event stream, which
+share the `{<id>}` hash tag (one Redis Cluster slot). The lane-stream XACK is a separate command,
+sent only after a fenced terminal write succeeded (XACK does not check who acks).
+
+The LeaseKeeper thread renews every held lease and keeps every held lane entry's idle time fresh
+(XCLAIM JUSTID), and sends the worker's heartbeat, whatever the engine loop is doing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import redis
+
+from schemas.connection import is_cluster
+from schemas import Keys
+
+from workers.intake import Entry
+from schemas.scripts import FENCE_LUA
+
+log = logging.getLogger("genpool.worker")
+
+
+def new_token(worker: str, nonce: Optional[str] = None) -> str:
+    """A fencing token unique to one attempt by one worker (never reused, even after a Redis
+    rollback that forgets an attempt counter)."""
+    return f"{worker}/{nonce or uuid.uuid4().hex[:16]}"
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What every write for one attempt at a job carries: its token, and its attempt number
+    (stamped on the events, so a reader can tell two attempts' tokens apart)."""
+    token: str
+    attempt: int
+
+
+@dataclass
+class Lease:
+    job_id: str
+    entry: Entry
+    token: str
+
+
+def fence_call(pipe_or_redis, sha: str, keys: Keys, job_id: str, token: str, op: str, *args):
+    """FENCE_LUA on one job's two keys (one slot: their `{id}` hash tag). redis-py refuses
+    EVALSHA in cluster pipelines, so on a cluster the script's body travels with EVAL."""
+    if is_cluster(pipe_or_redis):
+        return pipe_or_redis.execute_command("EVAL", FENCE_LUA, 2, keys.job(job_id), keys.events(job_id),
+                                             token, op, *args)
+    return pipe_or_redis.evalsha(sha, 2, keys.job(job_id), keys.events(job_id), token, op, *args)
+
+
+class LeaseKeeper:
+    """Background thread: renews leases, refreshes held entries' idle time, beats the heartbeat.
+
+    The loop registers what it holds (`hold` an entry as soon as it is read, `grant` a lease once
+    CLAIM_LUA gave a token, `drop` when done); leases found lost are queued for the loop to
+    collect with `take_lost()` (it aborts those jobs without writing anything)."""
+
+    def __init__(self, r, keys: Keys, worker: str, lease_ms: int, interval_s: float,
+                 beat: Callable[[], None]):
+        self.r, self.keys, self.worker = r, keys, worker
+        self.lease_ms, self.interval_s, self._beat = lease_ms, interval_s, beat
+        self._lock = threading.Lock()
+        # held while the entries' idle times are refreshed, so a hand-off (let_go) never races
+        # a refresh that would XCLAIM the entry back from the peer it was just given to
+        self._refresh_lock = threading.Lock()
+        self._entries: dict[tuple[str, str], Entry] = {}
+        self._leases: dict[str, Lease] = {}
+        self._lost: list[str] = []
+        self._stop = threading.Event()
+        self._sha: Optional[str] = None  # loaded on first use (Redis may be down at start)
+        self._thread: Optional[threading.Thread] = None
+        self.renewals = 0
+
+    # -- what the loop holds ------------------------------------------------------------------
+    def hold(self, entry: Entry) -> None:
+        with self._lock:
+            self._entries[(entry.stream, entry.entry_id)] = entry
+
+    def grant(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases[lease.job_id] = lease
+            self._entries[(lease.entry.stream, lease.entry.entry_id)] = lease.entry
+
+    def drop(self, entry: Entry, job_id: Optional[str] = None) -> None:
+        with self._lock:
+            self._entries.pop((entry.stream, entry.entry_id), None)
+            if job_id is not None:
+                lease = self._leases.get(job_id)
+                if lease is not None and lease.entry is entry:
+                    del self._leases[job_id]
+
+    def let_go(self, entries: list, then: Callable[[], None]) -> None:
+        """Stop holding these entries (no lease taken on them yet) and run `then` (the hand-off
+        XCLAIM to a peer) with no refresh in between that could claim them back."""
+        with self._refresh_lock:
+            with self._lock:
+                for e in entries:
+                    self._entries.pop((e.stream, e.entry_id), None)
+            then()
+
+    def call(self, job_id: str, token: str, op: str, *args):
+        """One fenced call now (not pipelined): 1 when it landed, 0 when the lease is gone."""
+        for attempt in (0, 1):
+            if self._sha is None or attempt:
+                self._sha = self.r.script_load(FENCE_LUA)
+            try:
+                return fence_call(self.r, self._sha, self.keys, job_id, token, op, *args)
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+
+    def holds(self, entry: Entry) -> bool:
+        with self._lock:
+            return (entry.stream, entry.entry_id) in self._entries
+
+    def token(self, job_id: str) -> Optional[str]:
+        with self._lock:
+            lease = self._leases.get(job_id)
+            return lease.token if lease else None
+
+    def lost(self, job_id: str) -> None:
+        with self._lock:
+            self._lost.append(job_id)
+
+    def take_lost(self) -> list[str]:
+        with self._lock:
+            out, self._lost = self._lost, []
+            return out
+
+    # -- the thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="genpool-leases", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.renew()
+                self._beat()
+            except redis.RedisError as e:  # the loop reconnects; we simply try again
+                log.warning("lease renewal failed (%s); retrying in %.1f s", e, self.interval_s)
+            except Exception:  # noqa: BLE001 - this thread must outlive any single failure
+                log.exception("lease renewal failed")
+
+    def renew(self) -> None:
+        """One round trip renewing every lease, then one refreshing the entries still ours."""
+        with self._lock:
+            leases = list(self._leases.values())
+            entries = dict(self._entries)
+        if leases:
+            if self._sha is None:
+                self._sha = self.r.script_load(FENCE_LUA)
+            pipe = self.r.pipeline(transaction=False)
+            for lease in leases:
+                fence_call(pipe, self._sha, self.keys, lease.job_id, lease.token, "renew",
+                           self.lease_ms)
+            for lease, ok in zip(leases, self._execute(pipe, leases)):
+                if ok != 1:
+                    log.warning("job %s: lease lost (another worker took it over)", lease.job_id)
+                    entries.pop((lease.entry.stream, lease.entry.entry_id), None)
+                    self.lost(lease.job_id)
+        with self._refresh_lock:
+            with self._lock:  # only what is still held now (a hand-off may have let some go)
+                entries = {k: e for k, e in entries.items() if k in self._entries}
+            by_stream: dict[str, list[str]] = {}
+            for e in entries.values():
+                by_stream.setdefault(e.stream, []).append(e.entry_id)
+            if by_stream:  # JUSTID: resets the idle time without counting a delivery
+                pipe = self.r.pipeline(transaction=False)
+                for stream, ids in by_stream.items():
+                    pipe.xclaim(stream, self.keys.group, self.worker, 0, ids, justid=True)
+                pipe.execute(raise_on_error=False)
+        self.renewals += 1
+
+    def _execute(self, pipe, leases: list) -> list:
+        res = pipe.execute(raise_on_error=False)
+        if any(isinstance(x, redis.exceptions.NoScriptError) for x in res):
+            self._sha = self.r.script_load(FENCE_LUA)  # Redis restarted: load, try once more
+            pipe = self.r.pipeline(transaction=False)
+            for lease in leases:
+                fence_call(pipe, self._sha, self.keys, lease.job_id, lease.token, "renew",
+                           self.lease_ms)
+            res = pipe.execute(raise_on_error=False)
+        for x in res:
+            if isinstance(x, (redis.ConnectionError, redis.TimeoutError)):
+                raise x
+        return res

@@ -1,0 +1,314 @@
+"""Prefix-aware routing in the worker: route new entries, hand them off, take handed-off ones.
+
+A worker that pulls a NEW entry (read with ">") tokenizes it as before, then asks the prefix
+index (workers/prefix_index.py) how long a prefix of the prompt each fresh peer caches;
+workers/routing.py's pure `route()` picks where it runs. A job that should run elsewhere is
+handed off without a new stream: the entry stays in its lane stream and its PENDING record is
+moved to the peer's consumer name (XCLAIM <lane> workers <peer> 0 <id> JUSTID: one key, no
+delivery charged). No lease has been taken yet (routing runs before CLAIM_LUA), and the puller
+stops refreshing the entry in the same lock the lease keeper refreshes under.
+
+The peer finds handed-off entries in its own PEL (XPENDING ... <its name>, in the same pipeline
+as its lane reads), holds them at once (so their idle time stays fresh while it lives), queues
+them as its backlog and admits them as capacity frees, like new entries; it never hands them on
+(only entries read fresh are routed, so no job moves twice). If the peer dies or stalls, the
+entry's idle time grows and the usual XAUTOCLAIM recovery gives it to another worker after
+claim_idle_ms: nothing is lost, and the job hash's fencing keeps exactly one result.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from typing import Optional
+
+import redis
+
+from engine.block_manager import prompt_block_hashes
+from schemas import LANES
+
+from workers.intake import Entry, Parsed
+from workers.routing import HOWS, Candidate, RouteParams, route
+from workers.streams import entries_from, s
+
+from workers.prefix_index import INDEX_CAP, PrefixIndex
+
+log = logging.getLogger("genpool.worker")
+SEEN_CAP = 65536  # entry ids a worker remembers having held (so its own are never "handed")
+
+class Router:
+    """The worker's side of routing: publish, route new entries, take handed-off ones.
+
+    Uses the worker's engine (its block manager), Redis client, keys, config and lease keeper."""
+
+    def __init__(self, worker):
+        self.w = worker
+        cfg = worker.cfg
+        self.bm = worker.engine.block_manager  # None: an engine without a prefix cache
+        self.enabled = bool(cfg.prefix_routing and self.bm is not None
+                            and self.bm.enable_prefix_caching)
+        self.index = PrefixIndex(worker.r, worker.keys, worker.name, cfg.prefix_index_s,
+                                 min(cfg.heartbeat_s, cfg.claim_idle_ms / 3000))
+        self.params = RouteParams(min_gain_tokens=cfg.route_min_gain_tokens)
+        self.backlog: deque[Entry] = deque()  # handed to us, held, waiting for capacity
+        self.counts = {f"routed_{h}": 0 for h in HOWS}
+        self.counts.update(handed_off=0, handed_in=0)
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._next_publish = 0.0
+        self._view: dict[str, dict] = {}
+        self._view_stale = 0
+        self._view_at = -1e9
+        self._sent: dict[str, list[float]] = {}  # peer -> times of our hand-offs to it
+        self._hit_rate: Optional[float] = None
+        self._ema: Optional[float] = None  # computed prompt tokens per job, recently
+        self._ema_mark = (0, 0)  # (jobs, computed tokens) when it was last updated
+
+    @property
+    def waiting(self) -> int:
+        return len(self.backlog)
+
+    # -- publishing --------------------------------------------------------------------------
+    def publish_if_due(self) -> None:
+        """On the loop's thread (it reads the block manager): about once per interval."""
+        if time.monotonic() < self._next_publish:
+            return
+        self._next_publish = time.monotonic() + self.index.interval_s
+        st = self.w.engine.stats()  # the heartbeat thread reads this snapshot, not the engine
+        q = st.prefix_cache_queries
+        self._hit_rate = round(st.prefix_cache_hits / q, 4) if q else None
+        if self.enabled and not self.w.stopping:
+            self.index.publish(self.bm.cached_hashes(INDEX_CAP), self.load())
+
+    def touch(self) -> None:
+        """The lease thread's heartbeat: keep our index fresh while a long step runs."""
+        if self.enabled and not self.w.stopping:
+            self.index.touch()
+
+    def load(self) -> dict:
+        w = self.w
+        return {"free": w.capacity(), "backlog": len(self.backlog), "slots": w.max_seqs,
+                "job_tokens": round(self._own_job_tokens(), 1),
+                "block_size": self.bm.block_size, "model": self._model()}
+
+    def _model(self) -> str:
+        return ",".join(sorted(self.w.cfg.served_models))
+
+    # -- handed-off entries (our PEL) --------------------------------------------------------
+    def note(self, e: Entry) -> None:
+        """An entry this worker holds (read, reclaimed): never mistake it for a hand-off."""
+        self._seen[(e.stream, e.entry_id)] = None
+        if len(self._seen) > SEEN_CAP:
+            self._seen.popitem(last=False)
+
+    def queue_inbox(self, pipe) -> int:
+        """Queue the PEL reads (BEFORE the lane reads of the same pipeline, so entries that
+        pipeline reads fresh are not in them). Returns how many replies to hand to inbox()."""
+        if not self.enabled:
+            return 0
+        streams = self.w.keys.all_jobs()
+        for stream in streams:
+            pipe.xpending_range(stream, self.w.keys.group, "-", "+", 512,
+                                consumername=self.w.name)
+        return len(streams)
+
+    def inbox(self, replies: list) -> None:
+        """Hold the entries peers handed us (pending for us, never held by us)."""
+        keeper, new = self.w.keeper, []
+        for stream, pend in zip(self.w.keys.all_jobs(), replies):
+            for p in pend or []:
+                eid = s(p["message_id"])
+                if (stream, eid) in self._seen:
+                    continue
+                new.append((stream, eid, int(p["times_delivered"])))
+        if not new:
+            return
+        pipe = self.w.r.pipeline(transaction=False)
+        for stream, eid, _ in new:
+            pipe.xrange(stream, min=eid, max=eid, count=1)
+        for (stream, eid, times), got in zip(new, pipe.execute()):
+            for e in entries_from([(stream, got)], self.w.keys, deliveries=max(1, times)):
+                if keeper.holds(e):
+                    continue
+                e.origin = "handed"
+                keeper.hold(e)
+                self.note(e)
+                self.backlog.append(e)
+                self.counts["handed_in"] += 1
+            self.note(Entry(stream, "", eid, {}))  # deleted meanwhile: do not look again
+
+    def read_inbox_now(self) -> None:
+        if not self.enabled:
+            return
+        pipe = self.w.r.pipeline(transaction=False)
+        n = self.queue_inbox(pipe)
+        if n:
+            self.inbox(pipe.execute())
+
+    def take(self, n: int, high_burst: int = 0) -> list[Entry]:
+        """Up to n backlog entries to admit now, interactive ones first; interactive ones also
+        beyond n, up to `high_burst` (as the high lane is read: the engine preempts for them, so
+        one handed over on a stale view of our free slots still never waits for a slot)."""
+        if not self.backlog:
+            return []
+        order = sorted(self.backlog, key=lambda e: LANES.index(e.lane))
+        out, rest = [], []
+        for e in order:
+            room = max(n, 0) + (high_burst if e.lane == "high" else 0)
+            (out if len(out) < room else rest).append(e)
+        self.backlog = deque(rest)
+        return out
+
+    # -- routing new entries -----------------------------------------------------------------
+    def route(self, parsed: list[Parsed]) -> list[Parsed]:
+        """Hand off the new entries a peer should run; returns the ones to run here."""
+        if not self.enabled:
+            return parsed
+        bs = self.bm.block_size
+        cands = [p for p in parsed if p.entry.origin == "new" and p.ok
+                 and len(self._ids(p)) > 2 * bs]
+        if not cands:
+            return parsed
+        hashes = [prompt_block_hashes(self._ids(p), bs) for p in cands]  # once: the index and our cache
+        try:
+            peers = self._peers()
+            cached = self.index.cached_tokens(list(peers), hashes, bs)
+            index_ok = bool(peers) or self._view_stale == 0
+        except redis.RedisError as e:
+            log.warning("prefix index unreadable (%s): running %d jobs here", e, len(cands))
+            peers, cached, index_ok = {}, [{} for _ in cands], False
+        local_free = max(1, self.w.capacity())
+        gone: dict[str, list[Parsed]] = {}
+        for p, hits, hs in zip(cands, cached, hashes):
+            ids = self._ids(p)
+            here = len(self.bm.find_cached_blocks(ids, hs)) * bs
+            # what one job queued at a worker costs there: jobs wait in a backlog because that
+            # worker caches them, so about what this job would cost there (its uncached tokens,
+            # plus its generated tokens, as prompt-token equivalents)
+            gen = p.req.max_tokens * p.req.n
+
+            def per_job(cached: int) -> float:
+                return max(len(ids) - cached, bs) + gen
+            local = Candidate(self.w.name, here, local_free, len(self.backlog), per_job(here),
+                              self.w.max_seqs)
+            others = [Candidate(n, hits.get(n, 0), int(d.get("free", 0)), int(d.get("backlog", 0)),
+                                per_job(hits.get(n, 0)), int(d.get("slots", 1)))
+                      for n, d in peers.items()]
+            d = route(len(ids), local, others, p.entry.lane == "high", self.params, index_ok)
+            self.counts[f"routed_{d.how}"] += 1
+            log.debug("route %s: %s %s (cost %.0f, here %.0f; %d tokens, cached %s)", p.job_id,
+                      d.how, d.target, d.cost, d.local_cost, len(ids),
+                      {c.name: c.cached_tokens for c in [local, *others]})
+            if d.handoff:
+                gone.setdefault(d.target, []).append(p)
+                _charge(peers[d.target], 1)  # what we sent counts until it publishes again
+                self._sent.setdefault(d.target, []).append(time.time())
+        if not gone:
+            return parsed
+        moved = self._hand_off(gone)
+        return [p for p in parsed if id(p) not in moved]
+
+    def _hand_off(self, gone: dict[str, list[Parsed]]) -> set[int]:
+        entries = [p.entry for ps in gone.values() for p in ps]
+        done: list = []
+
+        def claim():
+            pipe = self.w.r.pipeline(transaction=False)
+            for peer, ps in gone.items():
+                for p in ps:
+                    pipe.xclaim(p.entry.stream, self.w.keys.group, peer, 0, [p.entry.entry_id],
+                                justid=True)
+            done.extend(pipe.execute())
+
+        try:
+            self.w.keeper.let_go(entries, claim)
+        except redis.RedisError as e:  # unknown how far it got: hold them all again and run
+            log.warning("hand-off failed (%s): running %d jobs here", e, len(entries))
+            for ent in entries:  # them here (fencing settles a peer that also took one)
+                self.w.keeper.hold(ent)
+            for ps in gone.values():
+                self.counts["routed_fallback"] += len(ps)
+            return set()
+        self.counts["handed_off"] += len(entries)
+        for peer, ps in gone.items():
+            log.debug("handed %d jobs to %s (cached prefix)", len(ps), peer)
+        return {id(p) for ps in gone.values() for p in ps}
+
+    def _peers(self) -> dict[str, dict]:
+        """Fresh, compatible peers (cached for half a publish interval, with our hand-offs since
+        each peer's last publish added to its backlog)."""
+        now = time.monotonic()
+        if now - self._view_at >= self.index.interval_s / 2:
+            fresh, self._view_stale = self.index.peers()
+            model, bs = self._model(), self.bm.block_size
+            self._view = {n: d for n, d in fresh.items()
+                          if d.get("model") == model and d.get("block_size") == bs}
+            self._view_at = now
+            for n, d in self._view.items():
+                sent = [t for t in self._sent.get(n, []) if t > float(d.get("at", 0))]
+                self._sent[n] = sent
+                _charge(d, len(sent))
+            for n in [n for n in self._sent if n not in self._view]:
+                del self._sent[n]
+        return self._view
+
+    def _own_job_tokens(self) -> float:
+        """Prompt tokens this engine computed per job it took, recently: a moving average over
+        publish intervals (half weight each), so a cold start's misses fade within seconds.
+        Updated at publish time only; routing reads the last value."""
+        w, st = self.w, self.w.engine.stats()
+        jobs = w.counts["done"] + w.counts["failed"] + len(w.inflight)
+        computed = st.prefix_cache_queries - st.prefix_cache_hits
+        last_jobs, last_computed = self._ema_mark
+        if jobs > last_jobs:
+            rate = max(0, computed - last_computed) / (jobs - last_jobs)
+            self._ema = rate if self._ema is None else 0.5 * self._ema + 0.5 * rate
+            self._ema_mark = (jobs, computed)
+        return self._ema or 0.0
+
+    @staticmethod
+    def _ids(p: Parsed) -> list[int]:
+        prompt = p.extra.get("prompt") or {}
+        return prompt.get("prompt_token_ids") or []
+
+    # -- leaving -----------------------------------------------------------------------------
+    def leave(self) -> None:
+        """Stop being a target; give the backlog to a fresh peer (or leave it pending for the
+        usual reclaim if there is none)."""
+        if not self.enabled:
+            return
+        try:
+            self.index.leave()
+            if self.backlog:
+                self._view_at = -1e9
+                peers = self._peers()
+                target = min(peers, key=lambda n: int(peers[n].get("backlog", 0)), default=None)
+                entries = list(self.backlog)
+                self.backlog.clear()
+
+                def claim():
+                    if target is None:
+                        return
+                    pipe = self.w.r.pipeline(transaction=False)
+                    for e in entries:
+                        pipe.xclaim(e.stream, self.w.keys.group, target, 0, [e.entry_id],
+                                    justid=True)
+                    pipe.execute()
+                self.w.keeper.let_go(entries, claim)
+                log.info("gave %d handed-off jobs to %s", len(entries), target or "the reclaim")
+        except redis.RedisError as e:
+            log.warning("leaving the prefix index failed: %s", e)
+
+    def status(self) -> dict:
+        """For the heartbeat (another thread): counters and the loop's last snapshot only."""
+        return {**self.counts, "backlog": len(self.backlog), "prefix_hit_rate": self._hit_rate,
+                "prefix_routing": self.enabled}
+
+
+def _charge(load: dict, n: int) -> None:
+    """Count n jobs we handed a peer into our copy of its load: they take its free slots
+    first (it starts them at once), then queue in its backlog."""
+    free = int(load.get("free", 0))
+    take = min(max(free, 0), n)
+    load["free"] = free - take
+    load["backlog"] = int(load.get("backlog", 0)) + n - take
+
