@@ -42,7 +42,7 @@ def flower_up(base: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_path, redis_url, tmp_path_factory):
+def stack(tiny_llama_long_path, redis_url, tmp_path_factory):
     from workers.integrations.celery_app import make_app
 
     logs = tmp_path_factory.mktemp("celery_flower")
@@ -58,10 +58,10 @@ def stack(tiny_llama_path, redis_url, tmp_path_factory):
     common = ("--num-threads", "1", "--heartbeat-s", "0.5", "--metrics-addr", "127.0.0.1",
               "--served-model-name", "tiny", "--claim-idle-ms", "60000")
     procs = {
-        "a": spawn_worker(redis_url, prefix, tiny_llama_path, names["a"], *common, "--celery",
+        "a": spawn_worker(redis_url, prefix, tiny_llama_long_path, names["a"], *common, "--celery",
                           "--celery-queue", prefix, "--celery-concurrency", "8",
                           "--metrics-port", str(ports["a"]), env=ENV, log_path=logs / "a.log"),
-        "b": spawn_worker(redis_url, prefix, tiny_llama_path, names["b"], *common,
+        "b": spawn_worker(redis_url, prefix, tiny_llama_long_path, names["b"], *common,
                           "--celery-events", "--metrics-port", str(ports["b"]), env=ENV,
                           log_path=logs / "b.log"),
     }
@@ -112,6 +112,16 @@ def delay_in_subprocess(st, **kwargs) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def revoke_state(client: Client, r) -> str:
+    """What a revoke wait ended in: the task's state and how its genpool job ended."""
+    try:
+        res = client.job(r.id).result(timeout=1, raise_on_error=False)
+        end = res.error.code if res.error else res.finish_reason
+    except Exception as e:  # noqa: BLE001 - only describing a failure
+        end = repr(e)
+    return f"Celery task {r.id} REVOKED (state {r.state}, its job ended with {end})"
+
+
 def run_both_front_doors(st) -> SimpleNamespace:
     """Stream jobs (ok, unknown model, cancelled while running) and Celery tasks (send_task with
     prompt/chat/interactive lane, an invalid request, a revoke while running, delay()).
@@ -120,7 +130,9 @@ def run_both_front_doors(st) -> SimpleNamespace:
     stream_ok = [c.submit(f"Stream {i}: copper garden", max_tokens=4 + i, temperature=0.0)
                  for i in range(3)]
     stream_bad = c.submit("Unknown model", model="not-served")
-    stream_cancel = c.submit("Long", max_tokens=1500, ignore_eos=True, temperature=0.0)
+    # the jobs cancelled/revoked while running must outlast a revoke's trip under load: 12000
+    # tokens of the long-context tiny model take ~14 s alone (1500 once finished first in CI)
+    stream_cancel = c.submit("Long", max_tokens=12000, ignore_eos=True, temperature=0.0)
     kw = [dict(prompt="Celery river", max_tokens=5, temperature=0.0),
           dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0),
           dict(prompt="Celery urgent", max_tokens=4, priority=-1, temperature=0.0)]
@@ -129,7 +141,7 @@ def run_both_front_doors(st) -> SimpleNamespace:
     celery_expired = caller.send_task("genpool.generate", kwargs=dict(
         prompt="Too late", deadline=time.time() - 1))
     celery_revoke = caller.send_task("genpool.generate", kwargs=dict(
-        prompt="Long celery", max_tokens=1500, ignore_eos=True, temperature=0.0))
+        prompt="Long celery", max_tokens=12000, ignore_eos=True, temperature=0.0))
     first_token(c, stream_cancel.id)
     c.cancel(stream_cancel.id)
     first_token(c, celery_revoke.id)  # its job id is the task id: tokens stream there too
@@ -151,7 +163,7 @@ def run_both_front_doors(st) -> SimpleNamespace:
         celery_bad.get(timeout=60)
     assert "max_tokens" in str(e.value) and celery_bad.state == "FAILURE"
     for r in (celery_revoke, celery_expired):
-        wait_for(lambda: r.state == "REVOKED", 30, 0.2, f"Celery task {r.id} REVOKED")
+        wait_for(lambda: r.state == "REVOKED", 30, 0.2, lambda: revoke_state(c, r))
     assert c.job(stream_cancel.id).result(timeout=30).error.code == "cancelled"
     assert c.job(stream_bad.id).result(timeout=30, raise_on_error=False).error.code == "unknown_model"
     out.expect = {i: "SUCCESS" for i in ran}

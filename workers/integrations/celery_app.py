@@ -32,7 +32,7 @@ os.environ.setdefault("FLOWER_ADDRESS", "127.0.0.1")
 TASK_NAME = "genpool.generate"
 ENV_QUEUE = "GENPOOL_CELERY_QUEUE"
 DEFAULT_QUEUE = "genpool"
-POLL_S = 1.0  # how often a waiting task body looks for revocation and shutdown
+POLL_S = 0.25  # how often a waiting task body looks for revocation and shutdown
 
 # Set by the in-process genpool worker (workers/integrations/celery_worker.py) once it has drained: task
 # bodies still waiting then hand their message back to the broker instead of blocking shutdown.
