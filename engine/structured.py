@@ -26,11 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine.sequence import Sequence
 from engine.structured_params import StructuredOutputsParams
+from kernels.cpu.token_mask import apply_token_bitmask  # logits are on the CPU on every device
 from schemas.structured import describe_error, llguidance_grammar
 
 log = logging.getLogger("genpool.engine.structured")
@@ -231,17 +231,11 @@ class StructuredOutputs:
         if job is None:
             return []
         job.done.result()
-        # numpy, single-threaded: a few tiny torch ops here cost more in OpenMP wake-ups (and
-        # far more on a busy machine) than the unpacking itself
-        allowed = np.unpackbits(job.bitmask.numpy().view(np.uint8), axis=1,
-                                bitorder="little")[:, : logits.shape[1]]
-        lg = logits.numpy()  # the runner's fp32 CPU logits, modified in place
+        allowed = apply_token_bitmask(logits, job.rows, job.bitmask)  # C, one thread: ~10 us a row
         failed = []
         for j, seq in enumerate(job.seqs):
-            if seq.matcher.is_error() or not allowed[j].any():
+            if seq.matcher.is_error() or not allowed[j]:
                 failed.append((seq.request_id, self._stuck_message(seq)))
-            else:
-                np.putmask(lg[job.rows[j]], allowed[j] == 0, -np.inf)
         return failed
 
     @staticmethod
