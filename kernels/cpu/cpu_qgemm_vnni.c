@@ -20,14 +20,28 @@
  * rounding errors stop cancelling.)
  * The int32 sums cannot overflow for K < 60,000 (|u * xq| <= 255 * 127 a byte pair).
  * Threads split panels for decode-sized batches, rows for prompt-sized ones, as cpu_qgemm.c does.
- * Built only where the compiler targets AVX512-VNNI; elsewhere qvnni_available() is 0 and the
- * packer keeps the widening layout. Returns 0, or -1 out of memory, -2 a bad argument, -3 no VNNI. */
+ * Written on cpu_qdot.h's 16-lane vectors: vpdpbusd on AVX512-VNNI (int8 and int4 weights); on
+ * AVX2, vpmaddubsw + vpmaddwd, exact for int4 weights only (cpu_qdot.h says why). qvnni_available()
+ * returns the weight widths that run here (8 | 4, 4, or 0), and the packer keeps the widening
+ * layout for the others. Returns 0, or -1 out of memory, -2 a bad argument, -3 weights of a width
+ * that does not run here. */
 #include "cpu_common.h"
+#include "cpu_qdot.h"
 #include "cpu_qgemm.h"
 #include <stdlib.h>
 #include <string.h>
 
-enum { VP = 16, AB = 32, MAX_R = 4, CHUNK_TILES = 16, ROW_SPLIT_TILES = 4 };
+/* A tile: TILE_ROWS rows x UNIT_PANELS panels. On AVX-512, 4 x 2 panels of int32 and fp32 sums
+ * fill the 32 registers. AVX2 has 16 of half the width: 2 x 1 (measured on Zen 1: 3 or 4 rows, or
+ * two panels a tile, were no faster within that machine's noise). */
+#if QDOT_BITS & 8
+#define TILE_ROWS 4
+#define UNIT_PANELS 2
+#else
+#define TILE_ROWS 2
+#define UNIT_PANELS 1
+#endif
+enum { VP = 16, AB = 32, MAX_R = TILE_ROWS, CHUNK_TILES = 16, ROW_SPLIT_TILES = 4 };
 
 typedef struct {
     const qweight_t *w;
@@ -42,18 +56,43 @@ typedef struct {
 } vq_t;
 
 int qvnni_available(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return 1;
-#else
-    return 0;
-#endif
+    return QDOT_BITS;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if QDOT_BITS
 static inline int32_t load_i32(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
+}
+
+/* One block of AB inputs: q = round(x / d) to nearest even (as cvtps under MXCSR's default),
+ * d = max|x| / 127; returns sum(q). |x / d| <= 127, so no value saturates. */
+static inline int32_t quantize_block(const float *x, int8_t *q, float *d) {
+    float mx = 0.f;
+#if QDOT_BITS & 8
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
+    for (int i = 0; i < AB; i++) mx = fmaxf(mx, fabsf(x[i]));
+#endif
+    const float inv = mx > 0.f ? 127.f / mx : 0.f;
+    *d = mx / 127.f;
+#if QDOT_BITS & 8
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    int32_t sum = 0;
+    for (int i = 0; i < AB; i++) {
+        const int32_t v = (int32_t)nearbyintf(x[i] * inv);
+        q[i] = (int8_t)v;
+        sum += v;
+    }
+    return sum;
+#endif
 }
 
 /* Rows [lo, hi) of x quantized per block of AB: xq = round(x / dx), dx = max|x| / 127 (sq: the
@@ -73,15 +112,8 @@ static int quantize_rows(const void *arg, int64_t lo, int64_t hi) {
         for (int64_t b = 0; b < B; b++) {
             const float *x = a->x + r * a->ldx + b * AB;
             int8_t *q = a->xq + r * a->k + b * AB;
-            const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            const float d = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-            /* cvtps rounds to nearest even (MXCSR default); |x * inv| <= 127 */
-            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
-            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
-            const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            float d;
+            const int32_t qsum = quantize_block(x, q, &d);
             a->dx[r * B + b] = d;
             a->sq[r * B + b] = qsum;
             if (b % per == 0) a->sx[r * G + b / per] = 0.f;
@@ -98,80 +130,84 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
     const qweight_t *w = a->w;
     const int64_t K = a->k, g = w->group, G = K / g, B = K / AB;
     const int64_t pbytes = w->bits == 8 ? K * VP : K * VP / 2; /* one panel's bytes */
-    const __m512i nib = _mm512_set1_epi8(15);
-    __m512 acc[MAX_R][2];
+    const vi_t nib = vi_set1_8(15);
+    vf_t acc[MAX_R][2];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++) acc[r][c] = vf_zero();
     for (int64_t gi = 0; gi < G; gi++) {
-        __m512 s[2];
+        vf_t s[2];
 #pragma GCC unroll 2
-        for (int c = 0; c < C; c++) s[c] = _mm512_loadu_ps(w->scales + (pan[c] * G + gi) * VP);
+        for (int c = 0; c < C; c++) s[c] = vf_load(w->scales + (pan[c] * G + gi) * VP);
         for (int64_t b = gi * g / AB; b < (gi + 1) * g / AB; b++) {
-            __m512i ia[MAX_R][2];
+            vi_t ia[MAX_R][2];
             const int8_t *xb = a->xq + r0 * K + b * AB;
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const __m512i z = w->bits == 8 ? _mm512_set1_epi32(-128 * a->sq[(r0 + r) * B + b]) : _mm512_setzero_si512();
+                const vi_t z = w->bits == 8 ? vi_set1_32(-128 * a->sq[(r0 + r) * B + b]) : vi_zero();
 #pragma GCC unroll 2
                 for (int c = 0; c < C; c++) ia[r][c] = z;
             }
             if (w->bits == 8) {
 #pragma GCC unroll 1 /* unrolled, GCC hoists every broadcast of the block and spills them */
                 for (int t = 0; t < AB / 4; t++) {
-                    __m512i wv[2];
+                    vi_t wv[2];
 #pragma GCC unroll 2
-                    for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_si512(w->q + pan[c] * pbytes + (b * AB / 4 + t) * 64);
+                    for (int c = 0; c < C; c++) wv[c] = vi_load(w->q + pan[c] * pbytes + (b * AB / 4 + t) * 64);
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
-                        const __m512i xv = _mm512_set1_epi32(load_i32(xb + r * K + 4 * t));
+                        const vi_t xv = vi_set1_32(load_i32(xb + r * K + 4 * t));
 #pragma GCC unroll 2
-                        for (int c = 0; c < C; c++) ia[r][c] = _mm512_dpbusd_epi32(ia[r][c], wv[c], xv);
+                        for (int c = 0; c < C; c++) ia[r][c] = vi_dpbusd(ia[r][c], wv[c], xv);
                     }
                 }
             } else {
 #pragma GCC unroll 1
                 for (int t = 0; t < AB / 8; t++) {
-                    __m512i lo[2], hi[2];
+                    vi_t lo[2], hi[2];
 #pragma GCC unroll 2
                     for (int c = 0; c < C; c++) {
-                        const __m512i v = _mm512_loadu_si512(w->q + pan[c] * pbytes + (b * AB / 8 + t) * 64);
-                        lo[c] = _mm512_and_si512(v, nib);
-                        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                        const vi_t v = vi_load(w->q + pan[c] * pbytes + (b * AB / 8 + t) * 64);
+                        lo[c] = vi_and(v, nib);
+                        hi[c] = vi_and(vi_srli16_4(v), nib);
                     }
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
-                        const __m512i xl = _mm512_set1_epi32(load_i32(xb + r * K + 8 * t));
-                        const __m512i xh = _mm512_set1_epi32(load_i32(xb + r * K + 8 * t + 4));
+                        const vi_t xl = vi_set1_32(load_i32(xb + r * K + 8 * t));
+                        const vi_t xh = vi_set1_32(load_i32(xb + r * K + 8 * t + 4));
 #pragma GCC unroll 2
                         for (int c = 0; c < C; c++)
-                            ia[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ia[r][c], lo[c], xl), hi[c], xh);
+                            ia[r][c] = vi_dp_nibbles(ia[r][c], lo[c], xl, hi[c], xh);
                     }
                 }
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+                    for (int c = 0; c < C; c++) ia[r][c] = vi_nibble_sums(ia[r][c]);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                const __m512 d = _mm512_set1_ps(a->dx[(r0 + r) * B + b]);
+                const vf_t d = vf_set1(a->dx[(r0 + r) * B + b]);
 #pragma GCC unroll 2
                 for (int c = 0; c < C; c++)
-                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][c]), _mm512_mul_ps(s[c], d), acc[r][c]);
+                    acc[r][c] = vf_fmadd(vi_to_f(ia[r][c]), vf_mul(s[c], d), acc[r][c]);
             }
         }
         if (w->offsets) {
 #pragma GCC unroll 2
             for (int c = 0; c < C; c++) {
-                const __m512 o = _mm512_loadu_ps(w->offsets + (pan[c] * G + gi) * VP);
+                const vf_t o = vf_load(w->offsets + (pan[c] * G + gi) * VP);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++)
-                    acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a->sx[(r0 + r) * G + gi]), acc[r][c]);
+                    acc[r][c] = vf_fmadd(o, vf_set1(a->sx[(r0 + r) * G + gi]), acc[r][c]);
             }
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
-        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + (r * C + c) * VP, acc[r][c]);
+        for (int c = 0; c < C; c++) vf_store(out + (r * C + c) * VP, acc[r][c]);
 }
 
 #define TILE_CASE(R, C) \
@@ -179,15 +215,23 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
 
 static void tile_any(const vq_t *a, int64_t r0, int R, const int64_t *pan, int C, float *out) {
     switch (R * 4 + C) {
-        TILE_CASE(1, 1) TILE_CASE(2, 1) TILE_CASE(3, 1) TILE_CASE(4, 1)
-        TILE_CASE(1, 2) TILE_CASE(2, 2) TILE_CASE(3, 2) TILE_CASE(4, 2)
+        TILE_CASE(1, 1) TILE_CASE(1, 2)
+#if TILE_ROWS > 1
+        TILE_CASE(2, 1) TILE_CASE(2, 2)
+#endif
+#if TILE_ROWS > 2
+        TILE_CASE(3, 1) TILE_CASE(3, 2)
+#endif
+#if TILE_ROWS > 3
+        TILE_CASE(4, 1) TILE_CASE(4, 2)
+#endif
     }
 }
 
-/* Units: SwiGLU gate panels, else pairs of panels. */
+/* Units: SwiGLU gate panels (with their up panels), else UNIT_PANELS panels. */
 static inline int64_t units_of(const vq_t *a) {
     const int64_t panels = a->glu ? a->n / VP : (a->n + VP - 1) / VP;
-    return a->glu ? panels : (panels + 1) / 2;
+    return a->glu ? panels : (panels + UNIT_PANELS - 1) / UNIT_PANELS;
 }
 
 /* Rows [r0, r1) x units [u0, u1): per unit, every row tile (the unit's weights stay in L1). */
@@ -195,8 +239,8 @@ static void block(const vq_t *a, int64_t r0, int64_t r1, int64_t u0, int64_t u1)
     float out[MAX_R * 2 * VP];
     const int64_t panels = (a->n + VP - 1) / VP;
     for (int64_t u = u0; u < u1; u++) {
-        const int64_t p = a->glu ? u : 2 * u, pan[2] = {p, a->glu ? p + a->glu : p + 1};
-        const int C = a->glu || p + 1 < panels ? 2 : 1;
+        const int64_t p = a->glu ? u : UNIT_PANELS * u, pan[2] = {p, a->glu ? p + a->glu : p + 1};
+        const int C = a->glu || (UNIT_PANELS == 2 && p + 1 < panels) ? 2 : 1;
         const int64_t col = p * VP, cols = a->glu ? VP : (a->n - col < C * VP ? a->n - col : C * VP);
         for (int64_t r = r0; r < r1; r += MAX_R) {
             const int R = (int)(r1 - r < MAX_R ? r1 - r : MAX_R);
@@ -233,6 +277,7 @@ static int by_rows(const void *arg, int64_t lo, int64_t hi) {
 
 static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
     const qweight_t *w = a->w;
+    if (!(w->bits & QDOT_BITS)) return -3;
     if ((w->bits != 8 && w->bits != 4) || w->group <= 0 || w->group % AB || a->k % w->group || a->m < 0 || a->n <= 0)
         return -2;
     if (a->m == 0) return 0;
@@ -249,7 +294,7 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
         if (!rc)
             rc = tiles >= ROW_SPLIT_TILES * nthreads
                      ? parallel_rows(by_rows, a, tiles, a->k * a->n * pair, nthreads)
-                     : parallel_rows(by_units, a, units_of(a), a->m * a->k * 2 * VP * pair, nthreads);
+                     : parallel_rows(by_units, a, units_of(a), a->m * a->k * UNIT_PANELS * VP * pair, nthreads);
     }
     free(xq), free(fs), free(sq);
     return rc;
@@ -258,7 +303,7 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
 
 int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
                int64_t ldx, int64_t ldy, int nthreads) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if QDOT_BITS
     vq_t a = {w, 0, 0, 0, 0, bias, y, m, k, n, ldy, 0};
     return run(&a, x, ldx, nthreads);
 #else
@@ -270,7 +315,7 @@ int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, 
 /* y[M, I] = silu(x @ gate) * (x @ up) for W = [gate | up] packed as one [K, 2I] weight (I whole panels). */
 int qvnni_gemm_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, int64_t k, int64_t inter,
                       int64_t ldx, int64_t ldy, int nthreads) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if QDOT_BITS
     if (inter < VP || inter % VP) return -4;
     vq_t a = {w, 0, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
     return run(&a, x, ldx, nthreads);

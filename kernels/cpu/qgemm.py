@@ -1,8 +1,10 @@
 """Launcher for kernels/cpu/cpu_qgemm.c and cpu_qgemm_vnni.c: x @ W with W a quantized weight
 (kernels/qtensor.py QTensor) packed once, in one of two layouts chosen by compute_mode():
 
-- "vnni" (AVX512-VNNI CPUs, the default there): integer dot products, x quantized to int8 per row
-  and block of 32 inputs (cpu_qgemm_vnni.c); close to the exact product, not equal to it.
+- "vnni" (the default where the CPU has them): integer dot products, x quantized to int8 per row
+  and block of 32 inputs (cpu_qgemm_vnni.c); close to the exact product, not equal to it. On
+  AVX512-VNNI for int8 and int4 weights, on AVX2 for int4 weights only (dot_bits()); weights of
+  another width keep the panels.
 - "panels": the fp32 GEMM's column panels widened in registers per slice; for GGUF and AWQ weights
   the fp32 GEMM's bits over the dequantized weight (tests/engine/test_quant.py). Prompt-sized
   products on bf16 hardware take torch's bf16 GEMM over the weight widened per call ("bf16").
@@ -63,10 +65,16 @@ COMPUTE_MODES = ("auto", "vnni", "bf16", "fp32")
 
 
 @cache
-def vnni_available() -> bool:
-    """The build targets AVX512-VNNI (-march=native on a CPU that has it)."""
+def dot_bits() -> int:
+    """Weight widths the dot-product kernel runs on this build (bit 8: int8, bit 4: int4):
+    8 | 4 on AVX512-VNNI, 4 on AVX2 (vpmaddubsw, exact for int4 only), 0 elsewhere."""
     fn = cpu_build.function("cpu_qgemm", "qvnni_available", [], ctypes.c_int)
-    return fn is not None and bool(fn())
+    return int(fn()) if fn is not None else 0
+
+
+def vnni_available() -> bool:
+    """Some quantized weights run on integer dot products here (cpu_qgemm_vnni.c)."""
+    return dot_bits() != 0
 
 
 def _bf16_hardware() -> bool:
@@ -122,7 +130,7 @@ class QPackedWeight:
         self.n, self.k = w.shape
         self.bits, self.group, self.fmt = w.bits, w.group, w.fmt
         self.layout = layout or ("vnni" if compute_mode() == "vnni" and vnni_fits(w) else "panels")
-        if self.layout == "vnni" and not (vnni_available() and vnni_fits(w)):
+        if self.layout == "vnni" and not vnni_fits(w):
             raise ValueError(f"no VNNI layout for {w.fmt} {w.shape} group {w.group} on this build")
         nr = VNNI_PANEL if self.layout == "vnni" else panel_width()
         if self.layout == "vnni":
@@ -177,8 +185,9 @@ VNNI_BLOCK = 32  # cpu_qgemm_vnni.c AB: inputs per activation scale
 
 
 def vnni_fits(w: QTensor) -> bool:
-    """Weight groups of whole activation blocks (GGUF's 32, AWQ's 128, int8's one of all K)."""
-    return w.group % VNNI_BLOCK == 0 and w.shape[1] % w.group == 0
+    """Weights of a width the dot products run here, in groups of whole activation blocks
+    (GGUF's 32, AWQ's 128, int8's one of all K)."""
+    return bool(w.bits & dot_bits()) and w.group % VNNI_BLOCK == 0 and w.shape[1] % w.group == 0
 
 
 def _vnni_bytes(w: QTensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""kernels/cpu/cpu_qgemm_vnni.c: quantized products on AVX512-VNNI integer dot products.
+"""kernels/cpu/cpu_qgemm_vnni.c: quantized products on integer dot products (AVX512-VNNI: int8 and
+int4 weights; AVX2: int4 weights only).
 
 The kernel quantizes each row of x to int8 per block of 32 inputs and multiplies bytes, so it is not the
 exact product; what it must be is exactly that arithmetic: the same result as a float64 emulation
@@ -16,7 +17,13 @@ from kernels.qtensor import QTensor, pack_nibbles
 from tests.engine.test_quant import _int4
 
 pytestmark = pytest.mark.skipif(not (cpu_qgemm.available() and cpu_qgemm.vnni_available()),
-                                reason="this build has no AVX512-VNNI")
+                                reason="this build has no integer dot products (AVX512-VNNI or AVX2)")
+BITS = {"int8": 8, "q8_0": 8, "int4": 4, "int4-g128": 4, "int4-no-offset": 4}
+
+
+def _needs(kind: str) -> None:
+    if not BITS[kind] & cpu_qgemm.dot_bits():
+        pytest.skip(f"{kind} weights do not run on this build's dot products (AVX2: int4 only)")
 
 
 def _weight(kind: str, n: int, k: int) -> QTensor:
@@ -59,6 +66,7 @@ SHAPES = [(1, 100, 64), (5, 576, 576), (7, 40, 96), (20, 1536, 576), (150, 200, 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("kind", ["int8", "q8_0", "int4", "int4-g128", "int4-no-offset"])
 def test_vnni_product_is_its_integer_arithmetic_and_close_to_the_exact_one(m, n, k, kind):
+    _needs(kind)
     w = _weight(kind, n, k if kind != "int4-g128" else max(128, k // 128 * 128))
     x, bias = torch.randn(m, w.shape[1]) * 3, torch.randn(n)
     packed = cpu_qgemm.QPackedWeight(w, bias, layout="vnni")
@@ -96,6 +104,7 @@ def test_zero_and_empty_inputs():
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_vnni_swiglu_is_silu_mul_of_the_product(m, kind):
     from kernels.cpu import silu_mul as cpu_silu_mul
+    _needs(kind)
     inter, k = 2 * cpu_qgemm.VNNI_PANEL * 3, 96
     w = _weight(kind, 2 * inter, k)
     packed = cpu_qgemm.QPackedWeight(w, layout="vnni")
@@ -130,3 +139,15 @@ def test_groups_the_vnni_layout_cannot_hold_stay_on_the_widening_layout():
     assert packed.layout == "panels"
     x = torch.randn(2, 36)
     torch.testing.assert_close(cpu_qgemm.qgemm(x, packed), x @ w.dequantize().t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(BITS))
+def test_weights_of_a_width_this_build_cannot_dot_keep_the_widening_layout(kind):
+    w = _weight(kind, 32, 128)
+    runs = bool(BITS[kind] & cpu_qgemm.dot_bits())
+    assert cpu_qgemm.vnni_fits(w) == runs
+    assert cpu_qgemm.QPackedWeight(w).layout == ("vnni" if runs and cpu_qgemm.compute_mode() == "vnni"
+                                                 else "panels")
+    if not runs:
+        with pytest.raises(ValueError, match="no VNNI layout"):
+            cpu_qgemm.QPackedWeight(w, layout="vnni")
