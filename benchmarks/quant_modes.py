@@ -166,6 +166,16 @@ def measure(llm, reqs) -> dict:
     return res
 
 
+def products(llm, cpu_qgemm) -> str:
+    """How the quantized layers multiply, from the layouts they were packed in: "vnni" (integer dot
+    products), the widening kernel's "fp32" / "bf16", or both joined by "+" where widths differ
+    (AVX2 dots int4 weights only)."""
+    widen = "bf16" if cpu_qgemm.bf16_prefill() else "fp32"
+    kinds = {"vnni" if m.packed.layout == "vnni" else widen for m in llm.llm_engine.runner.model.modules()
+             if isinstance(getattr(m, "packed", None), cpu_qgemm.QPackedWeight)}
+    return "+".join(sorted(kinds)) or widen
+
+
 def run_mode(mode: str, model: str, num_requests: int, seed: int, max_num_seqs: int, max_batched: int,
              fp32_logprobs: str | None, throughput: bool = True) -> dict:
     from transformers import AutoTokenizer
@@ -180,12 +190,12 @@ def run_mode(mode: str, model: str, num_requests: int, seed: int, max_num_seqs: 
     texts = [t for t in (tok(p)["input_ids"][:SCORE_TOKENS] for p in pairs) if len(t) == SCORE_TOKENS][:8]
     from kernels.cpu import qgemm as cpu_qgemm
     quantized = "quantization" in MODES[mode]
-    res = dict(mode=mode, cpu_features=cpu_features(), rss_before_model=rss_bytes(),
-               quant_compute=cpu_qgemm.compute_mode() if quantized else None)
+    res = dict(mode=mode, cpu_features=cpu_features(), rss_before_model=rss_bytes())
     t0 = time.perf_counter()
     llm = LLM(str(path), num_kv_blocks=KV_BLOCKS, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
               **MODES[mode])
     res["load_seconds"] = time.perf_counter() - t0
+    res["quant_compute"] = products(llm, cpu_qgemm) if quantized else None
     res["rss_loaded"] = rss_bytes()
     runner = llm.llm_engine.runner
     res["kv_bytes"] = runner.num_blocks * runner.bytes_per_block  # reserved (resident as far as written)
