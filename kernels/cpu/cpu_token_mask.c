@@ -19,13 +19,17 @@ void apply_token_bitmask(float *logits, int64_t ld, const int64_t *rows, int64_t
         allowed[j] = any != 0;
         if (!any) continue;
         float *row = logits + rows[j] * ld;
-        for (int64_t w = 0; w * 32 < covered; w++) {
-            uint32_t bits = m[w];
+        /* a word at a time, branch-free inside it (a select the compiler vectorises): masks are
+         * mostly whole words of 0 (structure) or of 1 (free text) */
+        int64_t w = 0;
+        for (; (w + 1) * 32 <= covered; w++) {
+            const uint32_t bits = m[w];
             if (bits == 0xffffffffu) continue;
-            const int64_t base = w * 32, n = covered - base < 32 ? covered - base : 32;
-            for (int64_t b = 0; b < n; b++)
-                if (!((bits >> b) & 1u)) row[base + b] = -INFINITY;
+            float *x = row + w * 32;
+            for (int b = 0; b < 32; b++) x[b] = (bits >> b) & 1u ? x[b] : -INFINITY;
         }
+        for (int64_t t = w * 32; t < covered; t++)
+            if (!((m[w] >> (t - w * 32)) & 1u)) row[t] = -INFINITY;
         for (int64_t t = covered; t < vocab; t++) row[t] = -INFINITY;
     }
 }
