@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
+from engine import isolation
 from engine.config import EngineConfig
 from engine.cpu_alloc import trim_heap
 from engine.detokenizer import IncrementalDetokenizer
@@ -204,13 +205,12 @@ class LLMEngine:
 
     # -- fault isolation -------------------------------------------------------------------
     def _isolate(self, sched, exc: Exception) -> torch.Tensor:
-        """The forward pass raised: run the step again in halves until the request(s) that make
-        it fail are alone, fail those, and return the logits of everyone else (sched.scheduled
-        and sched.sampling are narrowed to them). Block copies were applied by the first try;
-        never twice."""
+        """The forward pass raised: engine/isolation.py runs the step again in halves and fails the
+        request(s) that make it fail on their own; sched.scheduled and sched.sampling are narrowed
+        to everyone else, whose logits come back."""
         log.warning("engine step failed for a batch of %d (%s: %s); isolating the cause",
                     len(sched.scheduled), type(exc).__name__, exc)
-        parts = self._bisect(sched.scheduled, exc)
+        parts = isolation.bisect(self.runner.execute, sched.scheduled, exc, self._fail_step)
         live = [(seq, n, row) for part, rows in parts for (seq, n), row in zip(part, rows)
                 if seq.request_id in self.requests]
         sched.scheduled = [(seq, n) for seq, n, _ in live]
@@ -219,28 +219,9 @@ class LLMEngine:
         vocab = self.runner.args.vocab_size
         return torch.stack(sampled) if sampled else torch.empty(0, vocab)
 
-    def _bisect(self, scheduled: list, exc: Exception | None) -> list:
-        """[(part, [logit row or None per (seq, n)])] for the parts that ran."""
-        if exc is None:
-            try:
-                logits = self.runner.execute(scheduled, [])
-            except Exception as e:  # noqa: BLE001
-                exc = e
-            else:
-                it = iter(logits)
-                rows = [next(it) if seq.num_computed_tokens + n == seq.num_tokens else None
-                        for seq, n in scheduled]
-                return [(scheduled, rows)]
-        if len(scheduled) == 1:
-            seq = scheduled[0][0]
-            log.error("request %s fails the model step on its own: %s: %s", seq.request_id,
-                      type(exc).__name__, exc)
-            self._fail(seq.request_id, RequestError(
-                "internal", f"the model step failed for this request: {type(exc).__name__}: "
-                            f"{exc}"))
-            return []
-        mid = len(scheduled) // 2
-        return self._bisect(scheduled[:mid], None) + self._bisect(scheduled[mid:], None)
+    def _fail_step(self, seq: Sequence, exc: Exception) -> None:
+        self._fail(seq.request_id, RequestError(
+            "internal", f"the model step failed for this request: {type(exc).__name__}: {exc}"))
 
     def _fail(self, request_id: str, error: RequestError) -> None:
         """End one request with an error; the rest of the batch is untouched. Its blocks leave
