@@ -231,7 +231,7 @@ class StructuredOutputs:
         if job is None:
             return []
         job.done.result()
-        allowed = apply_token_bitmask(logits, job.rows, job.bitmask)  # C, one thread: ~10 us a row
+        allowed = apply_token_bitmask(logits, job.rows, job.bitmask)  # C: ~30 us a row, cold logits
         failed = []
         for j, seq in enumerate(job.seqs):
             if seq.matcher.is_error() or not allowed[j]:

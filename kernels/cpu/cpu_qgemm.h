@@ -18,7 +18,7 @@ int qgemm_packed(const float *x, const qweight_t *w, const float *bias, float *y
                  int64_t ldx, int64_t ldy, int nthreads);
 int qgemm_packed_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, int64_t k, int64_t inter,
                         int64_t ldx, int64_t ldy, int nthreads);
-int qvnni_available(void);
+int qvnni_available(void); /* weight widths the dot products run here: 8 | 4 (VNNI), 4 (AVX2), 0 */
 int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
                int64_t ldx, int64_t ldy, int nthreads);
 int qvnni_gemm_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, int64_t k, int64_t inter,
