@@ -202,7 +202,7 @@ def test_a_task_that_swallows_its_cancellation_is_cancelled_again():
     the disconnected client's job is never cancelled."""
     import asyncio
 
-    from producer.gateway import stop_task
+    from producer.gateway_io import stop_task
 
     async def stubborn(log):
         for _ in range(2):  # survives two cancellations, like a swallowed one
