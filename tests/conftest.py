@@ -93,16 +93,23 @@ def redis_url() -> str:
 TOPOLOGIES = ("single", "cluster")
 
 
+def _start_or_skip(start, what: str):
+    """A local Redis topology (tests/redis_topologies.py), or a skip naming why it cannot start."""
+    from tests.redis_topologies import TopologyUnavailable
+
+    try:
+        return start()
+    except (TopologyUnavailable, OSError) as e:
+        pytest.skip(f"{what} cannot start here: {e}")
+
+
 @pytest.fixture(scope="session")
 def redis_cluster():
     """A local Redis Cluster, 3 masters + 3 replicas on loopback (tests/redis_topologies.py),
     for the whole session; skipped with the reason when cluster mode cannot start here."""
-    from tests.redis_topologies import TopologyUnavailable, start_cluster
+    from tests.redis_topologies import start_cluster
 
-    try:
-        cluster = start_cluster()
-    except (TopologyUnavailable, OSError) as e:
-        pytest.skip(f"Redis Cluster cannot start here: {e}")
+    cluster = _start_or_skip(start_cluster, "Redis Cluster")
     yield cluster
     cluster.stop()
 
@@ -123,12 +130,9 @@ def topology_url(request) -> str:
 @pytest.fixture
 def redis_sentinel():
     """1 master, 1 replica, 3 sentinels on loopback, fresh for each test (tests kill masters)."""
-    from tests.redis_topologies import TopologyUnavailable, start_sentinel
+    from tests.redis_topologies import start_sentinel
 
-    try:
-        setup = start_sentinel()
-    except (TopologyUnavailable, OSError) as e:
-        pytest.skip(f"a Sentinel setup cannot start here: {e}")
+    setup = _start_or_skip(start_sentinel, "a Sentinel setup")
     yield setup
     setup.stop()
 
