@@ -60,7 +60,7 @@ def main() -> None:
         logits = torch.randn(48, vocab)
         for _ in range(a.steps):
             t0 = time.perf_counter()
-            job = so.start_masks([(s, 1) for s in seqs])
+            job = so.start_masks(seqs)
             so.apply_masks(job, logits)
             tokens = [int(row.argmax()) for row in logits] if n_con else []
             so.accept(seqs, tokens) if n_con else None

@@ -25,12 +25,10 @@ def _scalar_type(hint):
     return hint
 
 
-def add_dataclass_args(group, cls, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> None:
-    """One option per field of dataclass `cls` (except `skip`) on argparse group/parser `group`."""
+def add_dataclass_args(group, cls) -> None:
+    """One option per field of dataclass `cls` on argparse group/parser `group`."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
         meta = f.metadata
         kind = _scalar_type(hints[f.name])
         opts = (flag(f.name), *meta.get("aliases", ()))
@@ -44,8 +42,6 @@ def add_dataclass_args(group, cls, skip: tuple[str, ...] = (), required: tuple[s
         elif f.default_factory is not dataclasses.MISSING:
             kw["default"] = None  # the dataclass makes it (e.g. a per-process name)
         else:
-            kw["required"] = True
-        if f.name in required:
             kw["required"] = True
         if kind is bool:
             group.add_argument(*opts, action=argparse.BooleanOptionalAction, **kw)

@@ -9,6 +9,7 @@ reused. Process-wide, so the engine calls it once, on CPU only; GENPOOL_MALLOC_T
 from __future__ import annotations
 
 import ctypes
+import functools
 import ctypes.util
 import logging
 import math
@@ -23,16 +24,23 @@ MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses larger values on 64-bit
 _done = False
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (find_library runs `ldconfig -p`: ~3 ms a call)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
 def tune_malloc() -> bool:
     """Returns True when glibc accepted both settings (False elsewhere, e.g. musl or macOS)."""
     global _done
     if _done or os.environ.get("GENPOOL_MALLOC_TUNE", "1") == "0":
         return _done
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
@@ -46,10 +54,8 @@ def trim_heap() -> bool:
     """Give freed heap memory back to the kernel (glibc malloc_trim). tune_malloc() stops glibc
     from trimming on its own, so call this after phases that free much at once: the loaded
     weights once packed, the activations of a large prefill once the engine goes idle."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError, TypeError):
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]
     return bool(trim(0))

@@ -19,7 +19,7 @@ from engine.sampler import SampleRow, Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.startup import StartLog
+from engine.startup import StartLog, mib
 from engine.structured import StructuredOutputs
 from engine.tokenizer import load_tokenizer, read_eos_ids
 
@@ -71,7 +71,7 @@ class LLMEngine:
         r, bm = self.runner, self.block_manager
         return (f"device={r.device} dtype={self.config.dtype} kernels={r.kern.name} "
                 f"kv_blocks={bm.num_blocks}x{bm.block_size} ({bm.num_blocks * bm.block_size} tokens, "
-                f"{bm.num_blocks * r.bytes_per_block / 2**20:.0f} MiB) max_model_len={self.max_model_len}")
+                f"{mib(bm.num_blocks * r.bytes_per_block)}) max_model_len={self.max_model_len}")
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -117,8 +117,6 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         if params.max_tokens is None or params.max_tokens > room:
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
-        if params.structured_outputs is not None:
-            params.structured_outputs.key  # noqa: B018 -- bad JSON text fails here, at once
         req = Request(request_id, text, ids, params, priority, arrival_time)
         seq = self._new_seq(req, 0)
         seq.pending_forks = params.n - 1
@@ -167,11 +165,11 @@ class LLMEngine:
             self._release_heap()
             self.structured.wait_pending(0.01)  # only jobs waiting for a grammar: do not spin
             return self._take_failed(outputs)
-        masks = self.structured.start_masks(sched.scheduled)  # filled while the model computes
+        masks = self.structured.start_masks(sched.sampling)  # filled while the model computes
         n = len(sched.scheduled)
         logits = self._run(sched)
         if len(sched.scheduled) != n:  # fault isolation narrowed the batch: renumber mask rows
-            masks = self.structured.start_masks(sched.scheduled)
+            masks = self.structured.start_masks(sched.sampling)
         for rid, message in self.structured.apply_masks(masks, logits):
             self._fail(rid, RequestError("invalid_request", message))
         sampled = self._sample(logits, sched.sampling)
@@ -192,7 +190,7 @@ class LLMEngine:
             logits = self.runner.execute(sched.scheduled, sched.block_copies)
         except Exception as exc:  # noqa: BLE001 - whatever it is, it must not fail the whole batch
             logits = self._isolate(sched, exc)
-        self._big_steps |= sum(n for _, n in sched.scheduled) >= TRIM_AFTER_TOKENS
+        self._big_steps |= sched.num_batched_tokens >= TRIM_AFTER_TOKENS
         self._note_step_time(sched, time.perf_counter() - t0)
         return logits
 

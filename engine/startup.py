@@ -28,12 +28,10 @@ class StartLog:
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()
-        self.phases: dict[str, tuple[float, int]] = {}  # phase -> (seconds, RSS after)
 
     def phase(self, name: str, details: str = "") -> None:
         now = time.perf_counter()
         rss = rss_bytes()
-        self.phases[name] = (now - self.last, rss)
         log.info("start: %s in %.1f s%s; RSS %s", name, now - self.last,
                  f" ({details})" if details else "", mib(rss))
         self.last = now

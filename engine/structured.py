@@ -194,16 +194,11 @@ class StructuredOutputs:
             child.matcher = parent.matcher.deep_copy()
 
     # -- per step ------------------------------------------------------------------------
-    def start_masks(self, scheduled: list[tuple[Sequence, int]]) -> MaskJob | None:
+    def start_masks(self, sampling: list[Sequence]) -> MaskJob | None:
         """Start filling the bitmask of every constrained row that samples this step (rows
-        numbered as the engine's sampled rows: scheduled order, sampling sequences only)."""
-        rows, seqs, r = [], [], 0
-        for seq, n in scheduled:
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                if seq.matcher is not None:
-                    rows.append(r)
-                    seqs.append(seq)
-                r += 1
+        numbered as the engine's sampled rows: the scheduler's `sampling`, in order)."""
+        rows = [r for r, seq in enumerate(sampling) if seq.matcher is not None]
+        seqs = [sampling[r] for r in rows]
         if not rows:
             return None
         job = MaskJob(rows, seqs, torch.empty(len(rows), self._words, dtype=torch.int32))

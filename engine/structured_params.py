@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -48,7 +49,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @cached_property
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints share one compiled grammar. JSON is
         re-serialized compactly but keeps its key order (properties are generated in order)."""

@@ -57,11 +57,11 @@ class TPModelRunner(ModelRunner):
         if config.device == "cpu":
             torch.set_num_threads(_threads_per_rank(config))
         super().__init__(_rank_config(config, comm.rank), model_path, max_model_len, startup)
-        agreed = comm.min_int(self.num_blocks)  # GPUs may differ in free memory: all take the least
-        if agreed != self.num_blocks:
-            self.num_blocks = agreed
-            self.kv_caches = [(k[:agreed].clone(), v[:agreed].clone()) for k, v in self.kv_caches]
-            self.decode_stack = self.model.build_decode_stack(self.kv_caches, self.rope.shape[0])
+
+    def _blocks_from_budget(self) -> int:
+        # GPUs may differ in free memory: every rank takes the least, agreed before any KV is
+        # allocated (every rank comes here, or none: num_kv_blocks is the same on all)
+        return self.comm.min_int(super()._blocks_from_budget())
 
     def _load_model(self, model_path):
         return load_shard(model_path, self.comm.rank, self.comm.size, self.comm, self.dtype, self.device,
