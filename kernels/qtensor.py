@@ -40,10 +40,6 @@ class QTensor:
         off = None if self.offset is None else self.offset.to(device)
         return QTensor(self.q.to(device), self.scale.to(device), off, self.bits, self.group, self.shape, self.fmt)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
-
     def ints(self) -> torch.Tensor:
         """q as int32 [N, K] (4-bit: unpacked, 0..15)."""
         if self.bits == 8:
@@ -53,12 +49,11 @@ class QTensor:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """W [N, K] fp32 (or its `rows`): scale * q (+ offset), two roundings (exact where the format's are)."""
-        q = self.ints() if rows is None else _select(self, rows).ints()
-        sc = self.scale if rows is None else self.scale.index_select(0, rows)
-        w = q.float().view(q.shape[0], -1, self.group) * sc.unsqueeze(-1)
-        if self.offset is not None:
-            off = self.offset if rows is None else self.offset.index_select(0, rows)
-            w = w + off.unsqueeze(-1)
+        t = self if rows is None else _select(self, rows)
+        q = t.ints()
+        w = q.float().view(q.shape[0], -1, self.group) * t.scale.unsqueeze(-1)
+        if t.offset is not None:
+            w = w + t.offset.unsqueeze(-1)
         return w.reshape(q.shape[0], self.shape[1])
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from .cli import EXIT_FAILED, follow, say_if_unserved
+from .cli import EXIT_FAILED, EXIT_NO_WORKERS, EXIT_TIMEOUT, follow, say_if_unserved
 from schemas.config import HELP_FMT, add_connection_args
 
 
@@ -113,10 +113,10 @@ def cmd_result(a: argparse.Namespace) -> int:
         res = c.job(a.id).result(timeout=a.timeout, raise_on_error=False)
     except NoWorkers as e:
         print(f"genpool job result: {e}", file=sys.stderr)
-        return 4
+        return EXIT_NO_WORKERS
     except TimeoutError as e:
         print(f"genpool job result: {e}", file=sys.stderr)
-        return 3
+        return EXIT_TIMEOUT
     if a.json:
         print(res.model_dump_json(indent=2))
     elif res.finish_reason is not None:

@@ -83,7 +83,6 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._sha: Optional[str] = None  # loaded on first use (Redis may be down at start)
         self._thread: Optional[threading.Thread] = None
-        self.renewals = 0
 
     # -- what the loop holds ------------------------------------------------------------------
     def hold(self, entry: Entry) -> None:
@@ -126,11 +125,6 @@ class LeaseKeeper:
     def holds(self, entry: Entry) -> bool:
         with self._lock:
             return (entry.stream, entry.entry_id) in self._entries
-
-    def token(self, job_id: str) -> Optional[str]:
-        with self._lock:
-            lease = self._leases.get(job_id)
-            return lease.token if lease else None
 
     def lost(self, job_id: str) -> None:
         with self._lock:
@@ -189,7 +183,6 @@ class LeaseKeeper:
                 for stream, ids in by_stream.items():
                     pipe.xclaim(stream, self.keys.group, self.worker, 0, ids, justid=True)
                 pipe.execute(raise_on_error=False)
-        self.renewals += 1
 
     def _execute(self, pipe, leases: list) -> list:
         res = pipe.execute(raise_on_error=False)

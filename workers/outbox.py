@@ -25,7 +25,7 @@ from schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
 
 from workers.intake import Entry
 from workers.jobstate import InFlight
-from workers.lease import Fence
+from workers.lease import Fence, fence_call
 from schemas.scripts import FENCE_LUA
 from workers.observe import Observers
 
@@ -128,11 +128,7 @@ class Outbox:
                     self.worker, *op.events]
         else:  # release
             args = []
-        keys = (self.keys.job(op.job_id), self.keys.events(op.job_id))  # one slot: the `{id}` tag
-        if is_cluster(pipe):  # redis-py refuses EVALSHA in cluster pipelines: the body travels
-            pipe.execute_command("EVAL", FENCE_LUA, 2, *keys, op.fence.token, op.kind, *args)
-        else:
-            pipe.evalsha(self._sha, 2, *keys, op.fence.token, op.kind, *args)
+        fence_call(pipe, self._sha, self.keys, op.job_id, op.fence.token, op.kind, *args)
 
     def _ack(self, pipe, op: _Op) -> None:
         if op.dead is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models.loader import assign_state, load_config
+from engine.models.loader import _packed, assign_state, load_config
 from kernels import get_backend
 from engine.models.tp_linear import TPShard, plan_shard, tp_model
 
@@ -62,6 +62,4 @@ def load_shard(path: str | Path, rank: int, size: int, comm, dtype: torch.dtype 
     model = tp_model(args, shard, comm, kern if kern is not None else get_backend("torch", "cpu"))
     state = read_shard(path, shard, args.head_dim, dtype)
     assign_state(model, state, args, path)
-    model = model.to(device).eval().requires_grad_(False)
-    model.pack_linears()
-    return model
+    return _packed(model.to(device).eval())

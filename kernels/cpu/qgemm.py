@@ -21,6 +21,7 @@ from functools import cache
 import torch
 
 from kernels.cpu import build as cpu_build, memory as cpu_memory
+from kernels.cpu.gemm import _check_x  # the same check: x is [M, w.k] fp32 on the CPU
 from kernels.qtensor import QTensor
 
 
@@ -210,11 +211,6 @@ def _vnni_ints(w: "QPackedWeight", p: torch.Tensor, j: torch.Tensor) -> torch.Te
         return b.reshape(len(p), w.k) - 128
     return torch.stack((b & 0xF, b >> 4), dim=2).reshape(len(p), w.k)
 
-
-def _check_x(x: torch.Tensor, w: QPackedWeight) -> torch.Tensor:
-    if x.dim() != 2 or x.shape[1] != w.k or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a CPU float32 [M, {w.k}] tensor, got {tuple(x.shape)} {x.dtype}")
-    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def _raise(rc: int) -> None:
