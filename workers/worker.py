@@ -61,6 +61,7 @@ class Worker(Custody):
         self.control = ControlReader(keys)
         self.claim_cursors: dict[str, str] = {}
         self.next_upkeep = 0.0
+        self.reclaim_owed = False  # a reclaim check found no free slot (see upkeep)
         self.stopping, self.drain_deadline = False, float("inf")
         self.counts = {"done": 0, "failed": 0, "reconnects": 0, "lost": 0}
         # busy loop time vs time inside engine.step(): the queue's overhead, shown in heartbeats;
@@ -135,15 +136,23 @@ class Worker(Custody):
 
     # -- stages --------------------------------------------------------------------------
     def upkeep(self) -> None:
-        if time.monotonic() < self.next_upkeep:
+        """Take over the jobs of dead peers (idle past claim_idle_ms). A check that finds no
+        free slot stays owed and runs at the next step that frees one, before the lanes refill
+        it: those jobs have waited longest, so the backlog must not starve them."""
+        now = time.monotonic()
+        if now < self.next_upkeep and not self.reclaim_owed:
             return
-        self.next_upkeep = time.monotonic() + min(self.cfg.heartbeat_s,
-                                                  self.cfg.claim_idle_ms / 3000)
+        if now >= self.next_upkeep:
+            self.next_upkeep = now + min(self.cfg.heartbeat_s, self.cfg.claim_idle_ms / 3000)
+        free = 0 if self.stopping else self.capacity()
+        self.reclaim_owed = free <= 0 and not self.stopping
+        if free <= 0:
+            return
         self.publisher.wait()  # acks in flight must land first, or we would reclaim our own
-        free = self.capacity()
-        if not self.stopping and free > 0:
-            self.admit(reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free,
-                               self.claim_cursors))
+        claimed = reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free,
+                          self.claim_cursors)
+        self.reclaim_owed = len(claimed) >= free  # the slots ran out first: more may wait
+        self.admit(claimed)
 
     def capacity(self, backlog: bool = True) -> int:
         """How many more jobs fit: sequence slots, and KV blocks for their worst case. None

@@ -250,7 +250,7 @@ def run_scenario(name: str, url: str, tmp_path, fault, n_jobs: int = 120, n_bad:
         assert restarted > 0, "the fault hit no job in flight"
         assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
         assert all(e is not None and e.code == "invalid_request" for e in errors), errors
-        return pool
+        return pool, row
     finally:
         pool.stop()
         c.close()
@@ -263,18 +263,31 @@ def test_chaos_sigkill(own_redis, tmp_path):
         pool.procs["a"].wait()
         pool.start("a2")
 
-    pool = run_scenario("sigkill", own_redis["server"].url, tmp_path, fault)
+    pool, _ = run_scenario("sigkill", own_redis["server"].url, tmp_path, fault)
     assert pool.deaths() == 1  # the one we killed
 
 
+def held_by(c: Client, worker: str) -> int:
+    """Entries `worker` has read and not acknowledged, over every lane."""
+    return sum(int(p["pending"]) for lane in c.keys.all_jobs()
+               for p in c.redis.xpending(lane, c.keys.group)["consumers"]
+               if p["name"] == worker)
+
+
 def test_chaos_sigstop_past_the_claim_window(own_redis, tmp_path):
+    held = {}
+
     def fault(pool, c):
         os.kill(pool.procs["b"].pid, signal.SIGSTOP)
+        held["b"] = held_by(c, "b")
         time.sleep(2.5)  # 2.5 x the claim window: its jobs are taken over
         os.kill(pool.procs["b"].pid, signal.SIGCONT)
 
-    pool = run_scenario("sigstop", own_redis["server"].url, tmp_path, fault)
+    pool, row = run_scenario("sigstop", own_redis["server"].url, tmp_path, fault)
     assert pool.deaths() == 0
+    # the two full peers take over all of b's jobs (at their next free slots, before their
+    # backlog); a job whose result landed just before the stop, unacknowledged, is no restart
+    assert held["b"] >= 8 and row["restarted"] >= held["b"] - 2, (held, row)
 
 
 def test_chaos_redis_restart(own_redis, tmp_path):
@@ -287,7 +300,7 @@ def test_chaos_redis_restart(own_redis, tmp_path):
         own_redis["server"] = embedded.start_server(port=server.port, data_dir=server.dir,
                                                     fsync="always")
 
-    pool = run_scenario("redis-restart", own_redis["server"].url, tmp_path, fault)
+    pool, _ = run_scenario("redis-restart", own_redis["server"].url, tmp_path, fault)
     assert pool.deaths() == 0
 
 

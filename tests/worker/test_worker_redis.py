@@ -143,6 +143,26 @@ def test_entries_of_a_dead_worker_are_reclaimed(env):
             assert raw_events(c, job.id)[0].type == "restart"
 
 
+def test_a_dead_workers_jobs_go_before_the_backlog(env):
+    """A full worker with a long backlog must still take over a dead peer's jobs at its next free
+    slot: they have waited longest. (It used to reclaim only when its periodic upkeep happened
+    to find a free slot, which the lanes refill after every step, so orphans waited behind the
+    whole backlog; the chaos suite's SIGSTOP scenario saw 2 of 16 jobs taken over.)"""
+    url, prefix, c = env
+    orphans = c.submit_many([dict(prompt=f"o{i}", max_tokens=10) for i in range(4)])
+    assert len(_ghost_take(c)) == 4
+    backlog = c.submit_many([dict(prompt=f"b{i}", max_tokens=10) for i in range(80)])
+    with worker_thread(FakeEngine(max_num_seqs=2, step_delay=0.01), url, prefix,
+                       claim_idle_ms=300, heartbeat_s=1.0):
+        for job in orphans:
+            assert job.result(timeout=30).ok
+        done = sum(c.job(j.id).info().get("state") == "done" for j in backlog)
+        for job in backlog:
+            assert job.result(timeout=60).ok
+    # 300 ms claim window at ~10 backlog jobs/s, then the next 2 free slots, twice
+    assert done <= 15, f"{done} backlog jobs finished before the dead worker's 4"
+
+
 def test_too_many_deliveries_go_to_the_dead_stream(env):
     url, prefix, c = env
     job = c.submit("poison", max_tokens=4)
