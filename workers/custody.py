@@ -72,19 +72,32 @@ class Custody:
         parsed = self.router.route(parsed)  # new jobs a peer caches more of go to that peer
         if not parsed:
             return
-        for v in self.admitter.verdicts(parsed):
-            self.observers.emit("job_received", v)
-            e, job_id = v.parsed.entry, v.parsed.job_id
-            if v.fence is not None:
-                self.keeper.grant(Lease(job_id, e, v.fence.token))
-            if self.admitter.settle(v) is None:
-                self.keeper.drop(e, job_id)
-            elif v.suspect >= SOLO_AFTER:
-                log.warning("job %s shared the batch of %d lost workers: running it alone",
-                            job_id, v.suspect)
-                self.solo_queue.append(v)
-            else:
-                self._start(v)
+        unsettled = {id(p.entry): p for p in parsed}
+        try:
+            for v in self.admitter.verdicts(parsed):
+                self._settle(v)
+                del unsettled[id(v.parsed.entry)]
+        except BaseException:
+            # Redis went away mid-admission. What is left must not be kept fresh, or it would
+            # never go idle and be reclaimed (by us or a peer) after claim_idle_ms: it would
+            # wait forever. A claim that landed unseen just expires, as a lost worker's would.
+            for p in unsettled.values():
+                self.keeper.drop(p.entry, p.job_id)
+            raise
+
+    def _settle(self, v: Verdict) -> None:
+        self.observers.emit("job_received", v)
+        e, job_id = v.parsed.entry, v.parsed.job_id
+        if v.fence is not None:
+            self.keeper.grant(Lease(job_id, e, v.fence.token))
+        if self.admitter.settle(v) is None:
+            self.keeper.drop(e, job_id)
+        elif v.suspect >= SOLO_AFTER:
+            log.warning("job %s shared the batch of %d lost workers: running it alone",
+                        job_id, v.suspect)
+            self.solo_queue.append(v)
+        else:
+            self._start(v)
 
     def _start(self, v: Verdict) -> None:
         job = self.admitter.start(self.engine, v)

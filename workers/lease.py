@@ -193,7 +193,14 @@ class LeaseKeeper:
                 fence_call(pipe, self._sha, self.keys, lease.job_id, lease.token, "renew",
                            self.lease_ms)
             res = pipe.execute(raise_on_error=False)
-        for x in res:
-            if isinstance(x, (redis.ConnectionError, redis.TimeoutError)):
-                raise x
-        return res
+        return fence_replies(res)
+
+
+def fence_replies(res: list) -> list:
+    """The fence script's answers. Only its own 0 means a lease is lost; an error in place of
+    an answer (a lost connection, a cluster that is down or resharding) says nothing about the
+    lease, so it is raised and the renewal tried again."""
+    for x in res:
+        if isinstance(x, Exception):
+            raise x
+    return res

@@ -163,6 +163,46 @@ def test_a_dead_workers_jobs_go_before_the_backlog(env):
     assert done <= 15, f"{done} backlog jobs finished before the dead worker's 4"
 
 
+def test_a_connection_lost_mid_admission_loses_no_job(env):
+    """Redis goes away while the worker checks ownership of the entries it just read (the
+    cluster-restart run saw it: 'cluster is down' inside the claim pipeline). Those entries
+    must become reclaimable; they used to stay held (their idle time kept fresh) and wait
+    forever. The lease thread must not take a failed renewal for a lost lease either."""
+    import redis
+
+    url, prefix, c = env
+    jobs = c.submit_many([dict(prompt=f"m{i}", max_tokens=5) for i in range(3)])
+    with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=300, heartbeat_s=0.1) as w:
+        real, calls = w.admitter.verdicts, []
+
+        def flaky(parsed):
+            calls.append(len(parsed))
+            if len(calls) == 1:
+                real(parsed)  # the claims land; the replies never arrive
+                raise redis.ConnectionError("connection lost mid-admission (injected)")
+            return real(parsed)
+
+        w.admitter.verdicts = flaky
+        for i, job in enumerate(jobs):
+            assert job.result(timeout=15).text == expected_for_prompt(f"m{i}", 5)
+    assert calls[0] == 3 and w.counts["lost"] == 0 and w.counts["reconnects"] >= 1
+
+
+def test_an_error_reply_to_a_renewal_is_no_lost_lease():
+    """Only the fence script's own 0 means another worker took a job over (that run also saw
+    8 leases dropped as 'lost' while the cluster was down); an error in its place is raised,
+    and the lease thread retries."""
+    import redis
+    from workers.lease import fence_replies
+
+    assert fence_replies([1, 0, 1]) == [1, 0, 1]
+    for err in (redis.exceptions.ClusterDownError("The cluster is down"),
+                redis.exceptions.TryAgainError("TRYAGAIN"), redis.ConnectionError("gone"),
+                redis.ResponseError("CLUSTERDOWN The cluster is down")):
+        with pytest.raises(type(err)):
+            fence_replies([1, err, 0])
+
+
 def test_too_many_deliveries_go_to_the_dead_stream(env):
     url, prefix, c = env
     job = c.submit("poison", max_tokens=4)
