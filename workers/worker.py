@@ -17,7 +17,6 @@ from typing import Optional
 import redis
 
 from engine.protocol import Engine
-from schemas.connection import backoff
 from schemas import LANES, ErrorEvent, Keys
 
 from workers.admission import Admitter, free_capacity
@@ -27,18 +26,17 @@ from workers.intake import Entry
 from workers.jobstate import InFlight
 from workers.observe import Observers
 from workers.outbox import Outbox
+from workers.recovery import Recovery
 from workers.router import Router
 from workers.streams import (ControlReader, ensure_groups, entries_from, lane_budgets,
-                             own_pending, publish_shards, reclaim)
+                             own_pending, publish_shards)
 from schemas.scripts import READ_LUA
 from workers.worker_config import WorkerConfig
 
 log = logging.getLogger("genpool.worker")
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-              redis.exceptions.TryAgainError)
 
 
-class Worker(Custody):
+class Worker(Custody, Recovery):
     def __init__(self, engine: Engine, r: redis.Redis, keys: Keys, cfg: WorkerConfig):
         self.engine, self.r, self.keys, self.cfg = engine, r, keys, cfg
         self.name = cfg.name
@@ -59,9 +57,7 @@ class Worker(Custody):
         self.step_ends: deque[float] = deque(maxlen=256)  # wall-clock end of recent steps
         self.started = False
         self.control = ControlReader(keys)
-        self.claim_cursors: dict[str, str] = {}
-        self.next_upkeep = 0.0
-        self.reclaim_owed = False  # a reclaim check found no free slot (see upkeep)
+        self._init_recovery()
         self.stopping, self.drain_deadline = False, float("inf")
         self.counts = {"done": 0, "failed": 0, "reconnects": 0, "lost": 0}
         # busy loop time vs time inside engine.step(): the queue's overhead, shown in heartbeats;
@@ -135,25 +131,6 @@ class Worker(Custody):
         return idle or time.monotonic() >= self.drain_deadline
 
     # -- stages --------------------------------------------------------------------------
-    def upkeep(self) -> None:
-        """Take over the jobs of dead peers (idle past claim_idle_ms). A check that finds no
-        free slot stays owed and runs at the next step that frees one, before the lanes refill
-        it: those jobs have waited longest, so the backlog must not starve them."""
-        now = time.monotonic()
-        if now < self.next_upkeep and not self.reclaim_owed:
-            return
-        if now >= self.next_upkeep:
-            self.next_upkeep = now + min(self.cfg.heartbeat_s, self.cfg.claim_idle_ms / 3000)
-        free = 0 if self.stopping else self.capacity()
-        self.reclaim_owed = free <= 0 and not self.stopping
-        if free <= 0:
-            return
-        self.publisher.wait()  # acks in flight must land first, or we would reclaim our own
-        claimed = reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free,
-                          self.claim_cursors)
-        self.reclaim_owed = len(claimed) >= free  # the slots ran out first: more may wait
-        self.admit(claimed)
-
     def capacity(self, backlog: bool = True) -> int:
         """How many more jobs fit: sequence slots, and KV blocks for their worst case. None
         while a suspect job waits to run, or runs, alone. Jobs peers handed us count as taken
@@ -285,44 +262,6 @@ class Worker(Custody):
             self.outbox.result(job, job.result(self.name))
             self.keeper.drop(job.entry, job.id)
             self.counts["done"] += 1
-
-    # -- robustness ----------------------------------------------------------------------
-    def _guarded(self, fn, attempts: Optional[int] = None) -> bool:
-        """Run a stage; on Redis loss, reconnect with backoff and keep every job (nothing acked
-        is lost: acks only ever travel with their results). True when the stage completed."""
-        try:
-            fn()
-            return True
-        except REDIS_DOWN as e:
-            log.warning("Redis connection lost (%s); reconnecting", e)
-            self.publisher.settle()  # its failed ops return to the outbox first
-            self._reconnect(attempts)
-        except redis.ResponseError as e:
-            if "NOGROUP" in str(e) or "UNBLOCKED" in str(e):
-                log.warning("lane streams or groups vanished (%s); recreating", e)
-                self._guarded(lambda: ensure_groups(self.r, self.keys))
-            else:  # e.g. a key of the wrong type: keep serving, but loudly and not in a hot loop
-                log.error("Redis refused a command: %s", e)
-                self._stop_event.wait(1.0)
-        return False
-
-    def _reconnect(self, attempts: Optional[int]) -> None:
-        delays = backoff(0.1, 5.0)
-        tries = 0
-        while attempts is None or tries < attempts:
-            tries += 1
-            if self.stopping and (not self.inflight or time.monotonic() >= self.drain_deadline):
-                return  # nothing left worth waiting for Redis
-            try:
-                self.r.ping()
-                self.keys = publish_shards(self.r, self.keys)  # a failover may have lost it
-                ensure_groups(self.r, self.keys)
-                self.counts["reconnects"] += 1
-                self.outbox.after_failure(list(self.inflight.values()))  # Redis may have lost
-                log.info("reconnected to Redis")  # the last writes (restart without fsync)
-                return
-            except REDIS_DOWN:
-                self._stop_event.wait(next(delays))
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
