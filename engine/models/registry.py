@@ -153,6 +153,10 @@ def pull(name: str, force: bool = False) -> Path:
             shutil.copyfileobj(src, dst, 1 << 20)
         _convert_gguf(gg, gguf_name, out)
         check_checkpoint(out)
+        kept = final.parent / gguf_name  # gguf_path()'s file: native loading needs no 2nd download
+        if gguf_name.endswith(".gguf") and not kept.is_file():
+            (gg / gguf_name).chmod(0o644)
+            os.replace(gg / gguf_name, kept)
         for f in out.iterdir():
             f.chmod(0o644)  # safetensors writes 0600; the cache is shared read-only
         out.chmod(0o755)
