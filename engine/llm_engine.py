@@ -11,7 +11,7 @@ from engine.block_manager import BlockManager
 from engine import isolation
 from engine.config import EngineConfig
 from engine.cpu_alloc import trim_heap
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestError, RequestOutput
 from engine.protocol import EngineStats
 from engine.request import Request
@@ -64,6 +64,8 @@ class LLMEngine:
         self._counters = dict(prompt_tokens_total=0, generation_tokens_total=0, step_count=0,
                               decode_steps=0, decode_time_total=0.0, requests_finished=0)
         self._big_steps = False  # a step of >= TRIM_AFTER_TOKENS tokens ran since the last trim
+        self.output = OutputProcessor(self.tokenizer, self.scheduler, self.requests, self._counters,
+                                      self._fail)
         self.startup.done()
 
     def describe(self) -> str:
@@ -174,7 +176,7 @@ class LLMEngine:
             self._fail(rid, RequestError("invalid_request", message))
         sampled = self._sample(logits, sched.sampling)
         applied = self.scheduler.update(sched, sampled)
-        outputs.extend(self._outputs(applied))
+        outputs.extend(self.output.outputs(applied))
         if not self.requests:  # the last request just finished: the engine is idle from here on
             self._release_heap()
         return self._take_failed(outputs)
@@ -274,60 +276,6 @@ class LLMEngine:
     def _row(self, seq: Sequence) -> SampleRow:
         eos = None if seq.params.ignore_eos else self.eos_token_ids[0]
         return SampleRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, eos)
-
-    def _outputs(self, applied: list[SampledToken]) -> list[RequestOutput]:
-        now = time.monotonic()
-        per_req: dict[str, dict[int, CompletionOutput]] = {}
-        for s in applied:
-            seq, req = s.seq, self.requests.get(s.seq.request_id)
-            if req is None:  # failed after another of its samples was applied
-                continue
-            self._counters["generation_tokens_total"] += 1
-            if s.logprob is not None:
-                seq.logprobs.append(s.logprob)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-                req.metrics.num_cached_tokens = seq.num_cached_tokens
-            try:
-                delta = self._detokenize(s)
-            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer bug on one token
-                log.exception("request %s failed after its token %d", seq.request_id, s.token)
-                self._fail(seq.request_id, RequestError(
-                    "internal", f"processing token {s.token} failed: {type(exc).__name__}: {exc}"))
-                continue
-            per_req.setdefault(seq.request_id, {})[seq.index] = delta
-        outs = []
-        for rid, deltas in per_req.items():
-            req = self.requests.get(rid)
-            if req is None:  # failed after another of its samples had a delta
-                continue
-            if req.finished:
-                req.metrics.finished_time = now
-                del self.requests[rid]
-                self._counters["requests_finished"] += 1
-            outs.append(req.delta_output(deltas))
-        return outs
-
-    def _detokenize(self, s: SampledToken) -> CompletionOutput:
-        """The new token's text; a stop string ends the sample ("stop" beats the scheduler's "length")."""
-        seq, tok, lp, p = s.seq, s.token, s.logprob, s.seq.params
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop,
-                p.include_stop_str_in_output, min_tokens=p.min_tokens)
-        text = ""
-        if s.finish_reason != "stop":  # eos and stop token ids add no text
-            text, stop_str = seq.detokenizer.add([tok])
-            if stop_str is not None:
-                seq.stop_reason = stop_str
-                if seq.is_finished:
-                    seq.finish_reason = "stop"
-                else:
-                    self.scheduler.finish(seq, "stop")
-        if seq.is_finished:
-            text += seq.detokenizer.flush()  # "" when a stop string already ended the text
-        return CompletionOutput(seq.index, text, [tok], seq.finish_reason, [lp] if lp is not None else None,
-                                seq.stop_reason)
 
     def _note_step_time(self, sched, dt: float) -> None:
         self._counters["step_count"] += 1

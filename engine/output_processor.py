@@ -1,0 +1,76 @@
+"""Sampled tokens -> RequestOutput deltas: logprobs, first-token metrics, incremental
+detokenization with stop strings, and the end of finished requests (the engine step's last stage,
+after the scheduler's update)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestError, RequestOutput
+from engine.request import Request
+from engine.scheduler import SampledToken, Scheduler
+
+log = logging.getLogger("genpool.engine")
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, scheduler: Scheduler, requests: dict[str, Request],
+                 counters: dict, fail: Callable[[str, RequestError], None]):
+        self.tokenizer, self.scheduler = tokenizer, scheduler
+        self.requests, self.counters, self.fail = requests, counters, fail  # the engine's own
+
+    def outputs(self, applied: list[SampledToken]) -> list[RequestOutput]:
+        now = time.monotonic()
+        per_req: dict[str, dict[int, CompletionOutput]] = {}
+        for s in applied:
+            seq, req = s.seq, self.requests.get(s.seq.request_id)
+            if req is None:  # failed after another of its samples was applied
+                continue
+            self.counters["generation_tokens_total"] += 1
+            if s.logprob is not None:
+                seq.logprobs.append(s.logprob)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                req.metrics.num_cached_tokens = seq.num_cached_tokens
+            try:
+                delta = self._delta(s)
+            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer bug on one token
+                log.exception("request %s failed after its token %d", seq.request_id, s.token)
+                self.fail(seq.request_id, RequestError(
+                    "internal", f"processing token {s.token} failed: {type(exc).__name__}: {exc}"))
+                continue
+            per_req.setdefault(seq.request_id, {})[seq.index] = delta
+        outs = []
+        for rid, deltas in per_req.items():
+            req = self.requests.get(rid)
+            if req is None:  # failed after another of its samples had a delta
+                continue
+            if req.finished:
+                req.metrics.finished_time = now
+                del self.requests[rid]
+                self.counters["requests_finished"] += 1
+            outs.append(req.delta_output(deltas))
+        return outs
+
+    def _delta(self, s: SampledToken) -> CompletionOutput:
+        """The new token's text; a stop string ends the sample ("stop" beats the scheduler's "length")."""
+        seq, tok, lp, p = s.seq, s.token, s.logprob, s.seq.params
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop,
+                p.include_stop_str_in_output, min_tokens=p.min_tokens)
+        text = ""
+        if s.finish_reason != "stop":  # eos and stop token ids add no text
+            text, stop_str = seq.detokenizer.add([tok])
+            if stop_str is not None:
+                seq.stop_reason = stop_str
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            text += seq.detokenizer.flush()  # "" when a stop string already ended the text
+        return CompletionOutput(seq.index, text, [tok], seq.finish_reason, [lp] if lp is not None else None,
+                                seq.stop_reason)
