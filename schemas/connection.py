@@ -23,6 +23,10 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from schemas.keys import LANES
 
+# Errors that mean "Redis is away for now" (retry after a reconnect), as against an answer:
+# a lost connection, a cluster whose slots are not served, a slot in the middle of a migration.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+              redis.exceptions.TryAgainError)
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
 SENTINEL_SCHEMES = {"redis+sentinel": False}
 

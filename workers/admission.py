@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from schemas.connection import queue_script
+from schemas.connection import REDIS_DOWN, queue_script
 from engine.protocol import EngineStats
 from schemas import ErrorEvent, JobRequest
 
@@ -112,12 +112,21 @@ class Admitter:
                          [p.entry.entry_id, self.name, now, self.job_ttl_s,
                           "run" if p.ok else "check", tokens[id(p)], self.lease_ms,
                           p.entry.deliveries, self.max_deliveries])
-        answers = dict(zip(map(id, with_id), pipe.execute() if with_id else []))
+        replies = pipe.execute(raise_on_error=False) if with_id else []
+        for x in replies:
+            if isinstance(x, REDIS_DOWN):
+                raise x  # nothing is settled yet: custody lets every entry go (see admit)
+        answers = dict(zip(map(id, with_id), replies))
         out = []
         for p in parsed:
-            kind, detail, attempt, suspect = answers.get(id(p), (b"dead", b"", 0, 0))
+            answer = answers.get(id(p), (b"dead", b"", 0, 0))
+            claimed = not isinstance(answer, Exception)
+            if not claimed:  # this job alone (e.g. its hash clobbered): dead-letter the entry,
+                log.error("job %s: its ownership claim failed: %s", p.job_id, answer)
+                answer = (b"dead", f"its job hash cannot be claimed: {answer}", 0, 0)  # unfenced
+            kind, detail, attempt, suspect = answer
             kind, attempt = s(kind), int(attempt)
-            fence = (Fence(tokens[id(p)], attempt) if kind in WRITES and id(p) in tokens
+            fence = (Fence(tokens[id(p)], attempt) if claimed and kind in WRITES and id(p) in tokens
                      else None)
             out.append(Verdict(p, kind, attempt, s(detail), int(suspect), fence,
                                p.extra.get("prompt")))
@@ -137,8 +146,11 @@ class Admitter:
         elif v.kind == "leased":  # reclaimed from a live worker: give the entry straight back
             log.info("job %s is leased by live worker %s; handing its entry back", p.job_id,
                      v.detail)
-            self.r.xclaim(e.stream, self.keys.group, v.detail or self.name, 0, [e.entry_id],
-                          justid=True)
+            try:
+                self.r.xclaim(e.stream, self.keys.group, v.detail or self.name, 0,
+                              [e.entry_id], justid=True)
+            except REDIS_DOWN as exc:  # it stays in our pending list, unheld: reclaimed later;
+                log.warning("job %s: hand-back failed (%s)", p.job_id, exc)  # go on with the rest
         elif v.kind == "cancelled":
             self.outbox.error(p.job_id, e, ErrorEvent(code="cancelled",
                                                       message="cancelled before it started"),

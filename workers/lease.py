@@ -147,19 +147,22 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self.renew()
-                self._beat()
-            except redis.RedisError as e:  # the loop reconnects; we simply try again
-                log.warning("lease renewal failed (%s); retrying in %.1f s", e, self.interval_s)
-            except Exception:  # noqa: BLE001 - this thread must outlive any single failure
-                log.exception("lease renewal failed")
+            for what, fn in (("lease renewal", self.renew), ("heartbeat", self._beat)):
+                try:  # each on its own: a renewal that failed must not also stop the heartbeat
+                    fn()
+                except redis.RedisError as e:  # the loop reconnects; we simply try again
+                    log.warning("%s failed (%s); retrying in %.1f s", what, e, self.interval_s)
+                except Exception:  # noqa: BLE001 - this thread must outlive any single failure
+                    log.exception("%s failed", what)
 
     def renew(self) -> None:
-        """One round trip renewing every lease, then one refreshing the entries still ours."""
+        """One round trip renewing every lease, then one refreshing the entries still ours. A
+        renewal answered with an error (not the script's 0) is neither renewed nor lost: the
+        refresh still runs, and the error is raised after it (the next round tries again)."""
         with self._lock:
             leases = list(self._leases.values())
             entries = dict(self._entries)
+        error = None
         if leases:
             if self._sha is None:
                 self._sha = self.r.script_load(FENCE_LUA)
@@ -167,8 +170,11 @@ class LeaseKeeper:
             for lease in leases:
                 fence_call(pipe, self._sha, self.keys, lease.job_id, lease.token, "renew",
                            self.lease_ms)
-            for lease, ok in zip(leases, self._execute(pipe, leases)):
-                if ok != 1:
+            answers = self._execute(pipe, leases)
+            for lease, raw, held in zip(leases, answers, lease_outcomes(answers)):
+                if held is None:
+                    error = error or RenewalError(f"job {lease.job_id}: {raw}")
+                elif not held:
                     log.warning("job %s: lease lost (another worker took it over)", lease.job_id)
                     entries.pop((lease.entry.stream, lease.entry.entry_id), None)
                     self.lost(lease.job_id)
@@ -183,6 +189,8 @@ class LeaseKeeper:
                 for stream, ids in by_stream.items():
                     pipe.xclaim(stream, self.keys.group, self.worker, 0, ids, justid=True)
                 pipe.execute(raise_on_error=False)
+        if error is not None:
+            raise error
 
     def _execute(self, pipe, leases: list) -> list:
         res = pipe.execute(raise_on_error=False)
@@ -193,14 +201,18 @@ class LeaseKeeper:
                 fence_call(pipe, self._sha, self.keys, lease.job_id, lease.token, "renew",
                            self.lease_ms)
             res = pipe.execute(raise_on_error=False)
-        return fence_replies(res)
+        for x in res:  # Redis itself is away: nothing to refresh either
+            if isinstance(x, (redis.ConnectionError, redis.TimeoutError)):
+                raise x
+        return res
 
 
-def fence_replies(res: list) -> list:
-    """The fence script's answers. Only its own 0 means a lease is lost; an error in place of
-    an answer (a lost connection, a cluster that is down or resharding) says nothing about the
-    lease, so it is raised and the renewal tried again."""
-    for x in res:
-        if isinstance(x, Exception):
-            raise x
-    return res
+class RenewalError(redis.RedisError):
+    """Some renewals were answered with an error (logged, retried next round)."""
+
+
+def lease_outcomes(res: list) -> list:
+    """Per renewal: True renewed, False lost (the fence script's own 0: another worker took the
+    job over), None unknown (an error in place of an answer: a cluster shard that is down or
+    resharding, a clobbered key), which says nothing about the lease and is tried again."""
+    return [None if isinstance(x, Exception) else x == 1 for x in res]

@@ -20,7 +20,7 @@ from typing import Optional
 
 import redis
 
-from schemas.connection import is_cluster
+from schemas.connection import REDIS_DOWN, is_cluster
 from schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
 
 from workers.intake import Entry
@@ -33,7 +33,6 @@ log = logging.getLogger("genpool.worker")
 
 # Job hash `state` for each error code; readers rely on these names (docs/protocol.md).
 ERROR_STATES = {"cancelled": "cancelled", "expired": "expired", "dead_lettered": "dead"}
-_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
@@ -158,7 +157,7 @@ class Outbox:
                 self._ack(pipe, op)
             bad = [x for x in pipe.execute(raise_on_error=False) if isinstance(x, Exception)]
             for x in bad:
-                if isinstance(x, _DOWN):
+                if isinstance(x, REDIS_DOWN):
                     raise x
             if bad:
                 log.error("%d acknowledgements failed; first: %s", len(bad), bad[0])
@@ -180,7 +179,7 @@ class Outbox:
             for i, x in zip(retry, pipe.execute(raise_on_error=False)):
                 res[i] = x
         for x in res:
-            if isinstance(x, _DOWN):
+            if isinstance(x, REDIS_DOWN):
                 raise x
         return res
 

@@ -11,17 +11,14 @@ from typing import Optional
 
 import redis
 
-from schemas.connection import backoff
+from schemas.connection import REDIS_DOWN, backoff
 from workers.streams import ensure_groups, publish_shards, reclaim
 
 log = logging.getLogger("genpool.worker")
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-              redis.exceptions.TryAgainError)
 
 
 class Recovery:
     def _init_recovery(self) -> None:
-        self.claim_cursors: dict[str, str] = {}
         self.next_upkeep = 0.0
         self.reclaim_owed = False  # a reclaim check found no free slot (see upkeep)
 
@@ -34,13 +31,12 @@ class Recovery:
             return
         if now >= self.next_upkeep:
             self.next_upkeep = now + min(self.cfg.heartbeat_s, self.cfg.claim_idle_ms / 3000)
-        free = 0 if self.stopping else self.capacity()
+        free = 0 if self.stopping else self.capacity(backlog=False)  # before peers' hand-offs
         self.reclaim_owed = free <= 0 and not self.stopping
         if free <= 0:
             return
         self.publisher.wait()  # acks in flight must land first, or we would reclaim our own
-        claimed = reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free,
-                          self.claim_cursors)
+        claimed = reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free)
         self.reclaim_owed = len(claimed) >= free  # the slots ran out first: more may wait
         self.admit(claimed)
 

@@ -67,50 +67,27 @@ def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:
     return out
 
 
-RECLAIM_CALLS = 8  # XAUTOCLAIM calls per lane stream per reclaim, at most
-
-
-def reclaim(r: redis.Redis, keys: Keys, worker: str, min_idle_ms: int, limit: int,
-            cursors: dict[str, str]) -> list[Entry]:
-    """XAUTOCLAIM entries idle longer than `min_idle_ms` (their worker is presumed dead), with
-    each entry's delivery count (which the claim incremented). One pipelined XPENDING ... IDLE
-    first finds the lane streams that hold any (usually none: one round trip in all)."""
+def reclaim(r: redis.Redis, keys: Keys, worker: str, min_idle_ms: int, limit: int) -> list[Entry]:
+    """Up to `limit` entries idle longer than `min_idle_ms` (their worker is presumed dead),
+    oldest first, with each entry's delivery count (the claim's included). One pipelined
+    `XPENDING ... IDLE` finds them, wherever they sit in a long pending list (usually none: one
+    round trip in all); `XCLAIM` with the same idle bound takes them, so of two workers that
+    found the same entry only one gets it."""
     streams = keys.all_jobs()
     probe = r.pipeline(transaction=False)
     for stream in streams:
-        probe.xpending_range(stream, keys.group, "-", "+", 1, idle=min_idle_ms)
+        probe.xpending_range(stream, keys.group, "-", "+", limit, idle=min_idle_ms)
     claimed: list[Entry] = []
     for stream, idle in zip(streams, probe.execute()):
-        if idle and len(claimed) < limit:
-            claimed += _claim_stream(r, keys, stream, worker, min_idle_ms, limit - len(claimed),
-                                     cursors)
-    if claimed:
-        pipe = r.pipeline(transaction=False)
-        for e in claimed:
-            pipe.xpending_range(e.stream, keys.group, e.entry_id, e.entry_id, 1)
-        for e, info in zip(claimed, pipe.execute()):
-            e.deliveries = int(info[0]["times_delivered"]) if info else 1
-    return claimed
-
-
-def _claim_stream(r: redis.Redis, keys: Keys, stream: str, worker: str, min_idle_ms: int,
-                  limit: int, cursors: dict[str, str]) -> list[Entry]:
-    """Up to `limit` idle entries of one stream, from its cursor on. One XAUTOCLAIM scans only
-    10 x count pending entries, and a full worker's count is 1-2: it keeps going (a bounded
-    number of calls), past the end and round from the start, so a long list is searched."""
-    claimed: list[Entry] = []
-    start, wrapped = cursors.get(stream, "0-0"), False
-    for _ in range(RECLAIM_CALLS):
-        reply = r.xautoclaim(stream, keys.group, worker, min_idle_ms,
-                             start_id=cursors.get(stream, "0-0"), count=limit - len(claimed))
-        cursors[stream] = s(reply[0])
-        claimed += entries_from([(stream, reply[1])], keys)
-        if len(claimed) >= limit:
-            break
-        if cursors[stream] == "0-0":  # the end: done, unless the search began part-way
-            if start == "0-0" or wrapped:
-                break
-            wrapped = True
+        idle = idle[:limit - len(claimed)]
+        if not idle:
+            continue
+        counts = {s(p["message_id"]): int(p["times_delivered"]) + 1 for p in idle}
+        got = entries_from([(stream, r.xclaim(stream, keys.group, worker, min_idle_ms,
+                                              [p["message_id"] for p in idle]))], keys)
+        for e in got:
+            e.deliveries = counts.get(e.entry_id, 2)
+        claimed += got
     return claimed
 
 
