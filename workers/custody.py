@@ -118,9 +118,11 @@ class Custody:
         self.publisher.wait()
         self.publisher.submit(self.outbox.take())
         self.publisher.wait()
-        v = self.solo_queue.popleft()
+        v = self.solo_queue[0]
         # recorded before its first step: if this worker is lost now, the job alone is charged
+        # (a Redis loss raises here with the job still queued: it is tried again after)
         ok = self.keeper.call(v.parsed.job_id, v.fence.token, "solo")
+        self.solo_queue.popleft()
         if ok != 1:
             self.keeper.drop(v.parsed.entry, v.parsed.job_id)
             return

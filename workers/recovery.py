@@ -49,6 +49,9 @@ class Recovery:
         except REDIS_DOWN as e:
             log.warning("Redis connection lost (%s); reconnecting", e)
             self.publisher.settle()  # its failed ops return to the outbox first
+            # the last writes may or may not have landed: whatever is sent next (after a
+            # reconnect, or by a draining worker's last flush) resends as restart + replay
+            self.outbox.after_failure(list(self.inflight.values()))
             self._reconnect(attempts)
         except redis.ResponseError as e:
             if "NOGROUP" in str(e) or "UNBLOCKED" in str(e):
@@ -71,8 +74,7 @@ class Recovery:
                 self.keys = publish_shards(self.r, self.keys)  # a failover may have lost it
                 ensure_groups(self.r, self.keys)
                 self.counts["reconnects"] += 1
-                self.outbox.after_failure(list(self.inflight.values()))  # Redis may have lost
-                log.info("reconnected to Redis")  # the last writes (restart without fsync)
+                log.info("reconnected to Redis")
                 return
             except REDIS_DOWN:
                 self._stop_event.wait(next(delays))

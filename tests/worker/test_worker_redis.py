@@ -188,6 +188,59 @@ def test_a_connection_lost_mid_admission_loses_no_job(env):
     assert calls[0] == 3 and w.counts["lost"] == 0 and w.counts["reconnects"] >= 1
 
 
+def test_a_connection_lost_at_the_solo_mark_strands_no_job(env, monkeypatch):
+    """A suspect job (it shared two lost workers' batches) is marked 'solo' before it runs
+    alone; Redis lost at that call used to leave it in no queue while its lease was renewed
+    and its entry kept fresh: never run, never reclaimed (found by a hostile outage run)."""
+    import redis
+    from workers.lease import LeaseKeeper
+
+    url, prefix, c = env
+    real, hit = LeaseKeeper.call, []
+
+    def call(self, job_id, token, op, *args):
+        if op == "solo" and not hit:
+            hit.append(job_id)
+            raise redis.ConnectionError("connection lost at the solo mark (injected)")
+        return real(self, job_id, token, op, *args)
+
+    monkeypatch.setattr(LeaseKeeper, "call", call)
+    job = c.submit("solo job", max_tokens=6, job_id="sus-1")
+    c.redis.hset(c.keys.job("sus-1"), "suspect", 2)
+    other = c.submit("plain job", max_tokens=6)
+    with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=1000, heartbeat_s=0.2):
+        assert other.result(timeout=10).ok
+        assert job.result(timeout=10).text == expected_for_prompt("solo job", 6)
+    assert hit == ["sus-1"]
+
+
+def test_a_reply_lost_while_draining_duplicates_no_tokens(env, monkeypatch):
+    """A token batch lands but its reply is lost, the job finishes in the next step, and the
+    worker is draining with nothing left in flight: the resend must come as a restart and a
+    replay (readers' text equals the result), not as the same tokens a second time."""
+    import redis
+    from workers.outbox import Outbox
+
+    url, prefix, c = env
+    real, sent = Outbox.send, []
+
+    def send(self, r, ops):
+        out = real(self, r, ops)
+        sent.extend(ev for op in ops for ev in op.events if '"type":"token"' in ev)
+        if len(sent) == 4 and not getattr(self, "_failed_once", False):  # tokens 1-4 landed,
+            self._failed_once = True  # the reply never arrives; token 5 ends the job
+            raise redis.ConnectionError("reply lost (injected)")
+        return out
+
+    monkeypatch.setattr(Outbox, "send", send)
+    job = c.submit("drain me", max_tokens=5)
+    with worker_thread(FakeEngine(step_delay=0.05), url, prefix) as w:
+        wait_for(lambda: job.id in w.inflight, what="running")
+        w.stop(drain_timeout_s=10)
+    text = "".join(e.text for e in job.stream(timeout=10))
+    assert text == job.result().text == expected_for_prompt("drain me", 5)
+
+
 def test_an_error_reply_to_a_renewal_is_no_lost_lease():
     """Only the fence script's own 0 means another worker took a job over (the cluster-restart
     run saw 8 leases dropped as 'lost' while the cluster was down); an error in its place says
