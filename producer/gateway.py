@@ -181,6 +181,9 @@ class Gateway:
             yield "data: [DONE]\n\n"
         except ClientGone:
             pass
+        except redis.RedisError as exc:  # the 200 is sent: the error can only be an event
+            log.warning("job %s: stream ended, the queue is unreachable: %s", job.id, exc)
+            yield sse(queue_error(exc).body())
         finally:
             if not finished:  # the reader left (or the stream broke): free the worker's slot
                 background(job.cancel())
@@ -233,6 +236,11 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
     return app
 
 
+def queue_error(exc: redis.RedisError) -> APIError:
+    return APIError(503, f"the job queue is unreachable ({type(exc).__name__}: "
+                         f"{scrub_paths(str(exc))})", "server_error", code="queue_unavailable")
+
+
 def _error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's shape, including FastAPI's own 404 / 405 / 422."""
 
@@ -255,9 +263,7 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(redis.RedisError)
     async def queue_down(_req, exc: redis.RedisError):
-        err = APIError(503, f"the job queue is unreachable ({type(exc).__name__}: "
-                            f"{scrub_paths(str(exc))})", "server_error", code="queue_unavailable")
-        return JSONResponse(err.body(), status_code=503)
+        return JSONResponse(queue_error(exc).body(), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_req, exc: RequestValidationError):

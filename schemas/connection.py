@@ -98,20 +98,34 @@ def mask(url: str) -> str:
     return f"{scheme}://{user}:***@{host}"
 
 
+# A read on a healthy connection returns within its BLOCK (at most 5 s: producer/protocol.py
+# READ_BLOCK_MS); only a dead one stays silent longer. redis-py 8 defaults to a 5 s socket
+# timeout, which made every quiet 5 s XREAD BLOCK fail as if Redis were gone.
+SOCKET_TIMEOUT_S = 30.0
+
+
+def _timeouts(kwargs: dict) -> dict:
+    """The data connections' options (the sentinels' own keep the caller's: a silent sentinel
+    is skipped after redis-py's shorter default)."""
+    return {"socket_timeout": SOCKET_TIMEOUT_S, **kwargs}
+
+
 def connect(url: str, **kwargs: Any):
     """A sync client for `url`: redis.Redis, or RedisCluster. kwargs: redis-py connection
-    options (decode_responses, socket_timeout, socket_connect_timeout, ...)."""
+    options (decode_responses, socket_timeout, socket_connect_timeout, ...); socket_timeout
+    defaults to SOCKET_TIMEOUT_S."""
+    opts = _timeouts(kwargs)
     t = parse(url)
     if t.kind == "single":
-        return redis.Redis.from_url(url, **kwargs)
+        return redis.Redis.from_url(url, **opts)
     if t.kind == "cluster":
         r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], ssl=t.tls,
-                         **t.auth(), **kwargs)
+                         **t.auth(), **opts)
         _unreachable_is_a_lost_connection(r.nodes_manager)
         return r
     from redis.sentinel import Sentinel
 
-    sentinel = Sentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **kwargs)
+    sentinel = Sentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **opts)
     return sentinel.master_for(t.service, db=t.db, **t.auth())
 
 
@@ -123,12 +137,13 @@ def connect_async(url: str, max_connections: Optional[int] = None, **kwargs: Any
     defaults apply (100 connections for one server or Sentinel)."""
     import redis.asyncio as aredis
 
+    opts = _timeouts(kwargs)
     t = parse(url)
     if t.kind == "single":
         if max_connections is None:
-            return aredis.Redis.from_url(url, **kwargs)
+            return aredis.Redis.from_url(url, **opts)
         pool = aredis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
-                                                      timeout=None, **kwargs)
+                                                      timeout=None, **opts)
         return aredis.Redis(connection_pool=pool)
     if t.kind == "cluster":
         from redis.asyncio.cluster import ClusterNode as AsyncNode
@@ -136,12 +151,12 @@ def connect_async(url: str, max_connections: Optional[int] = None, **kwargs: Any
 
         extra = {"max_connections": max_connections} if max_connections else {}
         r = AsyncCluster(startup_nodes=[AsyncNode(h, p) for h, p in t.nodes], ssl=t.tls,
-                         **t.auth(), **extra, **kwargs)
+                         **t.auth(), **extra, **opts)
         _unreachable_is_a_lost_connection(r.nodes_manager, aio=True)
         return r
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
-    sentinel = AsyncSentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **kwargs)
+    sentinel = AsyncSentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **opts)
     extra = {"max_connections": max_connections} if max_connections else {}
     return sentinel.master_for(t.service, db=t.db, **t.auth(), **extra)
 

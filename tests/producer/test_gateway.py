@@ -312,3 +312,42 @@ def test_smollm2_streamed_equals_non_streamed(redis_url, smollm2_path, tmp_path)
         stop_proc(worker)
         drop_prefix(redis_url, prefix)
     assert streamed == whole and whole.startswith("The capital of France is Paris")
+
+
+def test_a_stream_cut_by_a_lost_queue_ends_with_an_error_chunk(tmp_path):
+    """Redis goes away for good in the middle of a streamed completion: the stream must end
+    with an OpenAI-shaped error event (queue_unavailable), not a dropped connection (found by
+    a hostile run: the client saw only 'Connection error.')."""
+    import socket
+    import time
+
+    from producer.gateway import create_app
+    from tests.fake_engine import FakeEngine
+    from tests.pool_helpers import worker_thread
+    from workers.integrations import embedded
+
+    port = next(p for p in range(7300, 7400) if socket.socket().connect_ex(("127.0.0.1", p)))
+    server = embedded.start_server(port=port, data_dir=tmp_path / "redis")
+    prefix, events = new_prefix("gwcut"), []
+    try:
+        app = create_app(server.url, prefix)
+        with worker_thread(FakeEngine(step_delay=0.05), server.url, prefix), \
+                serve_in_thread(app) as base:
+            app.state.gateway.client.reconnect_s = 2.0  # give up on Redis after 2 s, not 30
+            body = {"model": "fake", "prompt": "cut short", "max_tokens": 400, "stream": True}
+            t0 = time.monotonic()
+            try:
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            events.append(json.loads(line[6:]))
+                            if len(events) == 3:
+                                server.stop()  # and it stays down
+            except httpx.HTTPError as e:
+                events.append({"transport": repr(e)})
+            assert time.monotonic() - t0 < 40
+    finally:
+        server.stop()
+    assert events[:3] and all("choices" in e for e in events[:3])
+    assert events[-1].get("error", {}).get("code") == "queue_unavailable", events[-1]

@@ -180,3 +180,38 @@ def test_waiting_for_events_stops_on_one_cancel(redis_url, monkeypatch):
         assert asyncio.run(main()) == []  # delays (ms) at which one cancel did not stop it
     finally:
         drop_prefix(redis_url, prefix)
+
+
+def test_a_quiet_wait_is_no_lost_connection(redis_url, caplog):
+    """A reader with no timeout on a job that stays quiet (queued behind busy workers) for
+    longer than one XREAD BLOCK: a healthy Redis must not look lost. redis-py 8 defaults to a
+    5 s socket timeout, which equals the 5 s block, so every quiet read timed out, and 30 s
+    later the gateway answered 503 queue_unavailable (found by a hostile run)."""
+    prefix = new_prefix("quiet")
+    c, got = Client(redis_url, prefix), {}
+
+    def sync_reader():
+        got["sync"] = c.job("q1").result()
+
+    def async_reader():
+        async def main():
+            ac = AsyncClient(redis_url, prefix)
+            try:
+                got["async"] = await ac.job("q1").result()
+            finally:
+                await ac.close()
+        asyncio.run(main())
+
+    readers = [threading.Thread(target=sync_reader), threading.Thread(target=async_reader)]
+    try:
+        for t in readers:
+            t.start()
+        time.sleep(11)  # two quiet 5 s blocks: the second failed read is where it was reported
+        _write(c, "q1", tok("hi", 5), ResultEvent(text="hi", token_ids=[5]))
+        for t in readers:
+            t.join(15)
+        assert got["sync"].text == got["async"].text == "hi"
+        assert not [r for r in caplog.records if "lost the connection" in r.getMessage()]
+    finally:
+        c.close()
+        drop_prefix(redis_url, prefix)
