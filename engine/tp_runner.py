@@ -68,6 +68,9 @@ class TPModelRunner(ModelRunner):
                           self.kern)
 
 
+START_GRACE_S = 30.0  # after a rank died while starting, how long rank 0 may take to fail too
+
+
 class LeaderRunner(TPModelRunner):
     """Rank 0: spawns and watches ranks 1..N-1, broadcasts each step before running it."""
 
@@ -80,6 +83,8 @@ class LeaderRunner(TPModelRunner):
         args, _ = load_config(model_path)
         plan_shard(args, 0, size)  # unsupported splits: a clear error before any process starts
         self._stopping = threading.Event()
+        self._ready = threading.Event()  # started: from here a rank's death ends the process
+        self._start_death: str | None = None
         self._tmp = tempfile.mkdtemp(prefix="genpool-tp-")
         init = f"file://{self._tmp}/rendezvous"
         ctx = multiprocessing.get_context("spawn")
@@ -99,6 +104,10 @@ class LeaderRunner(TPModelRunner):
             self._abandon()
             raise
         self.channel = StepChannel(comm)
+        self._ready.set()
+        if self._start_death is not None:  # it died after its part of the start
+            self._abandon()
+            raise RuntimeError(self._start_death)
         atexit.register(self.close)
 
     def _abandon(self) -> None:
@@ -117,8 +126,22 @@ class LeaderRunner(TPModelRunner):
         for other in self.procs.values():
             if other.is_alive():
                 other.kill()
+        if not self._ready.is_set():
+            # While starting, every rank usually fails the same way (e.g. a KV budget that holds
+            # no block) and rank 0's own error is the one to raise: let it, rather than end the
+            # caller's process. A rank 0 stuck in a collective still exits, after START_GRACE_S.
+            self._start_death = f"tensor-parallel rank {rank} (pid {p.pid}) died while starting " \
+                                f"(exit code {p.exitcode}); see its log above"
+            timer = threading.Timer(START_GRACE_S, self._start_stuck, args=(rank,))
+            timer.daemon = True
+            timer.start()
+            return
         die(f"tensor-parallel rank {rank} (pid {p.pid}) died (exit code {p.exitcode}): the worker exits "
             f"now; its unfinished jobs will be reclaimed by other workers")
+
+    def _start_stuck(self, rank: int) -> None:
+        if not self._ready.is_set() and not self._stopping.is_set():
+            die(f"{self._start_death}; rank 0 is still waiting for it: the process exits")
 
     def execute(self, scheduled, copies):
         try:
