@@ -132,14 +132,14 @@ class LeaderRunner(TPModelRunner):
             # caller's process. A rank 0 stuck in a collective still exits, after START_GRACE_S.
             self._start_death = f"tensor-parallel rank {rank} (pid {p.pid}) died while starting " \
                                 f"(exit code {p.exitcode}); see its log above"
-            timer = threading.Timer(START_GRACE_S, self._start_stuck, args=(rank,))
+            timer = threading.Timer(START_GRACE_S, self._start_stuck)
             timer.daemon = True
             timer.start()
             return
         die(f"tensor-parallel rank {rank} (pid {p.pid}) died (exit code {p.exitcode}): the worker exits "
             f"now; its unfinished jobs will be reclaimed by other workers")
 
-    def _start_stuck(self, rank: int) -> None:
+    def _start_stuck(self) -> None:
         if not self._ready.is_set() and not self._stopping.is_set():
             die(f"{self._start_death}; rank 0 is still waiting for it: the process exits")
 

@@ -79,16 +79,22 @@ def reclaim(r: redis.Redis, keys: Keys, worker: str, min_idle_ms: int, limit: in
         probe.xpending_range(stream, keys.group, "-", "+", limit, idle=min_idle_ms)
     claimed: list[Entry] = []
     for stream, idle in zip(streams, probe.execute()):
-        idle = idle[:limit - len(claimed)]
-        if not idle:
-            continue
-        counts = {s(p["message_id"]): int(p["times_delivered"]) + 1 for p in idle}
-        got = entries_from([(stream, r.xclaim(stream, keys.group, worker, min_idle_ms,
-                                              [p["message_id"] for p in idle]))], keys)
-        for e in got:
-            e.deliveries = counts.get(e.entry_id, 2)
-        claimed += got
+        claimed += _claim(r, keys, stream, worker, min_idle_ms, idle[:limit - len(claimed)])
     return claimed
+
+
+def _claim(r: redis.Redis, keys: Keys, stream: str, worker: str, min_idle_ms: int,
+           pending: list[dict]) -> list[Entry]:
+    """XCLAIM these XPENDING rows for `worker`, each entry with its delivery count (the claim's
+    included); entries deleted meanwhile, or taken by another claimer first, are left out."""
+    if not pending:
+        return []
+    counts = {s(p["message_id"]): int(p["times_delivered"]) + 1 for p in pending}
+    got = entries_from([(stream, r.xclaim(stream, keys.group, worker, min_idle_ms,
+                                          [p["message_id"] for p in pending]))], keys)
+    for e in got:
+        e.deliveries = counts.get(e.entry_id, 2)
+    return got
 
 
 def own_pending(r: redis.Redis, keys: Keys, worker: str, limit: int) -> list[Entry]:
@@ -96,14 +102,7 @@ def own_pending(r: redis.Redis, keys: Keys, worker: str, limit: int) -> list[Ent
     out: list[Entry] = []
     for stream in keys.all_jobs():
         pend = r.xpending_range(stream, keys.group, "-", "+", limit, consumername=worker)
-        if not pend:
-            continue
-        ids = [p["message_id"] for p in pend]
-        counts = {s(p["message_id"]): int(p["times_delivered"]) + 1 for p in pend}
-        got = entries_from([(stream, r.xclaim(stream, keys.group, worker, 0, ids))], keys)
-        for e in got:
-            e.deliveries = counts.get(e.entry_id, 2)
-        out += got
+        out += _claim(r, keys, stream, worker, 0, pend)
     return out
 
 

@@ -119,6 +119,6 @@ def cmd_worker(a: argparse.Namespace) -> int:
     engine = build_engine(a.model, a.engine_factory, **engine_kwargs(a))
     log_engine_choice(engine)
     cfg = worker_config(a)
-    r = connect(url, socket_timeout=30, socket_connect_timeout=5)
+    r = connect(url, socket_connect_timeout=5)  # socket_timeout: connect()'s 30 s default
     keys = Keys(key_prefix(a.prefix), lane_shards=cfg.lane_shards)
     return run_worker(Worker(engine, r, keys, cfg), a, url)
