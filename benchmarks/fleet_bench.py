@@ -30,7 +30,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from genpool.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -68,9 +68,9 @@ class RateEngine(FakeEngine):
 # -- the fleet process --------------------------------------------------------------------------
 def run_fleet(a) -> None:
     """`--role fleet`: host a.workers workers for a.seconds, then print their totals as JSON."""
-    from schemas.connection import connect
-    from schemas import Keys
-    from workers.worker import Worker, WorkerConfig
+    from genpool.schemas.connection import connect
+    from genpool.schemas import Keys
+    from genpool.workers.worker import Worker, WorkerConfig
 
     workers = []
     for i in range(a.workers):
@@ -107,9 +107,9 @@ def run_fleet(a) -> None:
 # -- producer + readers (the main process) ------------------------------------------------------
 async def drive(a, prefix: str, fleet: subprocess.Popen, pids: tuple[list, list]) -> dict:
     """Keep the queue topped up; read every `a.sample_every`-th job's events; time tokens."""
-    from producer.aio import AsyncClient
-    from schemas.connection import connect_async
-    from schemas.connection import lane_depths, queue_lane_depths
+    from genpool.producer.aio import AsyncClient
+    from genpool.schemas.connection import connect_async
+    from genpool.schemas.connection import lane_depths, queue_lane_depths
 
     client = AsyncClient(a.url, prefix, redis_client=connect_async(
         a.url, max_connections=2000, decode_responses=True))
@@ -194,7 +194,7 @@ def run_level(a, url: str, server_pids: tuple[list, list], workers: int, max_tok
 
 
 def _drop(url: str, prefix: str) -> None:
-    from schemas.connection import connect, delete_prefix
+    from genpool.schemas.connection import connect, delete_prefix
 
     r = connect(url)
     delete_prefix(r, prefix, batch=1000)

@@ -55,14 +55,14 @@ def prompts(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[in
 
 
 def engine(path: str, device: str, backend: str, dtype: str, **kw):
-    from engine import LLM
+    from genpool.engine import LLM
 
     return LLM(path, device=device, kernel_backend=backend, dtype=dtype, **kw)
 
 
 def parity(a) -> int:
     """Greedy tokens of the Triton engine equal the reference's, or part at a near-tie."""
-    from engine import SamplingParams
+    from genpool.engine import SamplingParams
 
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     ps = prompts(vocab, 2 if a.smoke else 6, 5, 20 if a.smoke else 300)
@@ -104,7 +104,7 @@ def _hf_batches(model, reqs, max_tokens: int, batch: int, device: str) -> None:
 def throughput(a) -> int:
     from transformers import AutoModelForCausalLM
 
-    from engine import SamplingParams
+    from genpool.engine import SamplingParams
 
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     n, max_tokens, batch = (4, 4, 2) if a.smoke else (256, 128, 64)
@@ -152,8 +152,8 @@ def _time(fn, device: str, reps: int) -> float:
 
 
 def bandwidth(a) -> int:
-    from kernels import ref
-    from kernels.triton.paged_attention import paged_attention
+    from genpool.kernels import ref
+    from genpool.kernels.triton.paged_attention import paged_attention
 
     dtype = torch.float32 if a.smoke else torch.bfloat16
     ok = True

@@ -74,7 +74,7 @@ def run(server: str, model: str, num_requests: int, seed: int, threads: int, slo
 
     from benchmarks.quant_modes import cpu_features
     from benchmarks.workload import build_workload
-    from engine.models.registry import gguf_path, resolve_model
+    from genpool.engine.models.registry import gguf_path, resolve_model
     tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
     reqs = build_workload(tok, num_requests, seed)
     port = _free_port()

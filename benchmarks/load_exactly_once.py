@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from producer import Client  # noqa: E402
-from schemas.connection import delete_prefix  # noqa: E402
+from genpool.producer import Client  # noqa: E402
+from genpool.schemas.connection import delete_prefix  # noqa: E402
 from tests.chaos_helpers import pool_problems, raw_events  # noqa: E402
 
 PROMPTS = ["Name a fruit.", "Say hello to Ada.", "What is 2 + 2?", "Give one color.",
@@ -35,7 +35,7 @@ PROMPTS = ["Name a fruit.", "Say hello to Ada.", "What is 2 + 2?", "Give one col
 def start_workers(args, url: str, prefix: str, first: int = 0, n=None) -> list[subprocess.Popen]:
     procs = []
     for i in range(first, first + (args.workers if n is None else n)):
-        cmd = [sys.executable, "-m", "workers.cli.main", "worker", "--model", args.model, "--redis", url,
+        cmd = [sys.executable, "-P", "-m", "genpool.workers.cli.main", "worker", "--model", args.model, "--redis", url,
                "--prefix", prefix, "--name", f"load-{i}", "--claim-idle-ms", str(args.claim_idle_ms),
                "--max-num-seqs", "32", "--num-threads", "1", "--kv-cache-memory", str(256 << 20)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,

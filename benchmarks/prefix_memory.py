@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from engine import LLM, SamplingParams  # noqa: E402
+from genpool.engine import LLM, SamplingParams  # noqa: E402
 
 PREFIX = ("You are reviewing customer feedback for a bicycle shop. For each message, classify "
           "the sentiment, name the product involved, and suggest one concrete follow-up action "

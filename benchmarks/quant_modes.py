@@ -64,13 +64,13 @@ def kv_resident(llm) -> int:
 
 
 def cpu_features() -> list[str]:
-    from kernels.cpu import build as cpu_build
+    from genpool.kernels.cpu import build as cpu_build
     return [f for f in FEATURES if cpu_build.cpu_has(f)]
 
 
 def decode_step_batch1(llm, prompt: list[int], steps: int = 64, reps: int = 3) -> float:
     """Mean decode step (s) of one request alone, best of `reps` runs."""
-    from engine import SamplingParams
+    from genpool.engine import SamplingParams
     eng, best = llm.llm_engine, float("inf")
     for _ in range(reps):
         before = dict(eng._counters)
@@ -144,7 +144,7 @@ def scored(llm, texts: list[list[int]], mode: str, fp32_logprobs: str) -> dict:
 
 def measure(llm, reqs) -> dict:
     """Batch-1 decode step, then the whole mix at once: seconds, tokens, outputs, RSS after."""
-    from engine import SamplingParams
+    from genpool.engine import SamplingParams
     res = {}
     warm = [{"prompt_token_ids": reqs[0].prompt_token_ids[:32]}] * 2
     llm.generate(warm, [SamplingParams(temperature=0, max_tokens=4)] * 2)
@@ -181,14 +181,14 @@ def run_mode(mode: str, model: str, num_requests: int, seed: int, max_num_seqs: 
     from transformers import AutoTokenizer
 
     from benchmarks.workload import PARAGRAPHS, build_workload
-    from engine import LLM
-    from engine.models.registry import resolve_model
+    from genpool.engine import LLM
+    from genpool.engine.models.registry import resolve_model
     path = resolve_model(model)
     tok = AutoTokenizer.from_pretrained(str(path))
     reqs = build_workload(tok, num_requests, seed)
     pairs = [PARAGRAPHS[i] + "\n\n" + PARAGRAPHS[(i + 1) % len(PARAGRAPHS)] for i in range(len(PARAGRAPHS))]
     texts = [t for t in (tok(p)["input_ids"][:SCORE_TOKENS] for p in pairs) if len(t) == SCORE_TOKENS][:8]
-    from kernels.cpu import qgemm as cpu_qgemm
+    from genpool.kernels.cpu import qgemm as cpu_qgemm
     quantized = "quantization" in MODES[mode]
     res = dict(mode=mode, cpu_features=cpu_features(), rss_before_model=rss_bytes())
     t0 = time.perf_counter()

@@ -26,8 +26,8 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 
 from benchmarks.workload import build_workload, workload_stats  # noqa: E402
-from producer import Client  # noqa: E402
-from schemas.connection import delete_prefix  # noqa: E402
+from genpool.producer import Client  # noqa: E402
+from genpool.schemas.connection import delete_prefix  # noqa: E402
 
 
 def engine_opts(a) -> dict:
@@ -36,7 +36,7 @@ def engine_opts(a) -> dict:
 
 
 def load_in_process(a, model, work):
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
 
     llm = LLM(str(model), **engine_opts(a))
     llm.generate([{"prompt_token_ids": work[0].prompt_token_ids}],
@@ -45,7 +45,7 @@ def load_in_process(a, model, work):
 
 
 def run_in_process(llm, work) -> dict:
-    from engine import SamplingParams
+    from genpool.engine import SamplingParams
 
     prompts = [{"prompt_token_ids": w.prompt_token_ids} for w in work]
     params = [SamplingParams(temperature=0.0, max_tokens=w.max_tokens) for w in work]
@@ -58,7 +58,7 @@ def run_in_process(llm, work) -> dict:
 
 
 def start_worker(a, model, url: str, prefix: str, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "workers.cli.main", "worker", "--model", str(model), "--redis", url,
+    cmd = [sys.executable, "-P", "-m", "genpool.workers.cli.main", "worker", "--model", str(model), "--redis", url,
            "--prefix", prefix, "--name", "bench", "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", a.dtype,
            "--heartbeat-s", "0.5", "--drain-timeout", "0", "--log-level", "WARNING"]
@@ -185,7 +185,7 @@ def report_priority(a, prio: dict) -> None:
 
 def main() -> int:
     a = parse_args()
-    from engine.models.registry import resolve_model
+    from genpool.engine.models.registry import resolve_model
     from transformers import AutoTokenizer
 
     model = resolve_model(a.model)
@@ -197,7 +197,7 @@ def main() -> int:
     print("workload:", json.dumps(workload_stats(work)), flush=True)
     server = None
     if not a.redis:
-        from workers.integrations.embedded import start_server
+        from genpool.workers.integrations.embedded import start_server
 
         server = start_server()
     client = Client(a.redis or server.url, f"bench-{uuid.uuid4().hex[:8]}")

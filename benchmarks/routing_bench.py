@@ -31,9 +31,9 @@ import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 
-from producer import Client  # noqa: E402
-from schemas.connection import connect, delete_prefix  # noqa: E402
-from schemas import Keys  # noqa: E402
+from genpool.producer import Client  # noqa: E402
+from genpool.schemas.connection import connect, delete_prefix  # noqa: E402
+from genpool.schemas import Keys  # noqa: E402
 
 WORDS = ("river stone lamp harbor winter signal copper garden market cloud engine paper "
          "forest bridge candle mirror valley orbit meadow lantern glacier ember quarry "
@@ -84,7 +84,7 @@ def totals(engines) -> dict:
 
 
 def run(a, engines, specs: list[dict], routing: bool, label: str) -> dict:
-    from workers.worker import Worker, WorkerConfig
+    from genpool.workers.worker import Worker, WorkerConfig
 
     prefix = f"bench-route-{uuid.uuid4().hex[:8]}"
     workers, threads = [], []
@@ -162,7 +162,7 @@ def parse_args():
 
 def main() -> int:
     a = parse_args()
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
 
     t_load = time.perf_counter()
     llms = [LLM(a.model, dtype=a.dtype, num_kv_blocks=a.kv_blocks, max_num_seqs=a.max_num_seqs,

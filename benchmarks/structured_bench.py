@@ -47,7 +47,7 @@ def main() -> None:
 
     import jsonschema
 
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
 
     llm = LLM(a.model, num_kv_blocks=2048, max_num_seqs=64, num_threads=a.threads)
     eng = llm.llm_engine

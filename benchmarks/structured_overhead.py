@@ -33,10 +33,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    from engine.sampling_params import SamplingParams
-    from engine.sequence import Sequence
-    from engine.structured import StructuredOutputs
-    from engine.tokenizer import load_tokenizer
+    from genpool.engine.sampling_params import SamplingParams
+    from genpool.engine.sequence import Sequence
+    from genpool.engine.structured import StructuredOutputs
+    from genpool.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(a.model)
     vocab = 49152

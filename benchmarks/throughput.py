@@ -25,7 +25,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.workload import build_workload, workload_stats  # noqa: E402
-from engine.models.registry import resolve_model  # noqa: E402
+from genpool.engine.models.registry import resolve_model  # noqa: E402
 
 
 def measure_copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
@@ -116,7 +116,7 @@ def run_hf_batched(model, eos_ids, reqs, batch_size):
 
 
 def run_engine(path, dtype, reqs, args):
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
 
     llm = LLM(str(path), dtype=dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)

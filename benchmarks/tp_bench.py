@@ -36,7 +36,7 @@ def synthetic_model(out: Path, tok_src: Path) -> Path:
 def run_config(path: str, n: int, batch: int, new: int, stack: bool = True, threads: int | None = None) -> dict:
     import torch
 
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
 
     llm = LLM(path, tensor_parallel_size=n, num_kv_blocks=256, num_threads=threads or os.cpu_count())
     eng, runner = llm.llm_engine, llm.llm_engine.runner
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="run the configurations whose names contain one of these")
     ap.add_argument("--no-broadcast", action="store_true", help="skip the broadcast micro-benchmark")
     a = ap.parse_args()
-    from engine.models.registry import resolve_model
+    from genpool.engine.models.registry import resolve_model
 
     smol = resolve_model("smollm2-135m")
     syn = str(synthetic_model(Path(a.synthetic), smol))

@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from producer import Client  # noqa: E402
-from schemas.connection import delete_prefix  # noqa: E402
+from genpool.producer import Client  # noqa: E402
+from genpool.schemas.connection import delete_prefix  # noqa: E402
 
 
 def mem(pid: int) -> dict:
@@ -62,7 +62,7 @@ def main() -> int:
     a = ap.parse_args()
     prefix = f"mem-{uuid.uuid4().hex[:8]}"
     c = Client(a.redis, prefix)
-    cmd = [sys.executable, "-m", "workers.cli.main", "worker", "--model", a.model, "--redis", c.url,
+    cmd = [sys.executable, "-P", "-m", "genpool.workers.cli.main", "worker", "--model", a.model, "--redis", c.url,
            "--prefix", prefix, *a.worker_args]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),

@@ -183,7 +183,7 @@ if __name__ == "__main__":
 
     from transformers import AutoTokenizer
 
-    from engine.models.registry import resolve_model
+    from genpool.engine.models.registry import resolve_model
 
     ap = argparse.ArgumentParser(description="print the workload's token stats")
     ap.add_argument("--model", default="smollm2-135m")

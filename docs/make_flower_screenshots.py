@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from producer import Client  # noqa: E402
+from genpool.producer import Client  # noqa: E402
 from tests.pool_helpers import drop_prefix, spawn_worker, wait_for  # noqa: E402
-from workers.integrations.celery_app import make_app  # noqa: E402
+from genpool.workers.integrations.celery_app import make_app  # noqa: E402
 
 CHROMIUM = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
             "--no-first-run", "--disable-background-networking", "--disable-component-update",
@@ -70,7 +70,7 @@ def main() -> int:
     prefix = f"demo-{uuid.uuid4().hex[:6]}"
     env = dict(os.environ, GENPOOL_REDIS_URL=a.redis, PYTHONPATH=str(ROOT),
                OMP_WAIT_POLICY="PASSIVE", FLOWER_UNAUTHENTICATED_API="true")
-    flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "workers.integrations.celery_app",
+    flower = subprocess.Popen([sys.executable, "-P", "-m", "celery", "-A", "genpool.workers.integrations.celery_app",
                                "flower", f"--port={a.port}", "--address=127.0.0.1"], cwd=ROOT,
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     common = ("--num-threads", "1", "--max-num-seqs", "16")

@@ -1,15 +1,15 @@
 """genpool's resident continuous-batching engine (vLLM-style API)."""
-from engine.sampling_params import SamplingParams
-from engine.outputs import CompletionOutput, RequestOutput
+from genpool.engine.sampling_params import SamplingParams
+from genpool.engine.outputs import CompletionOutput, RequestOutput
 
 
 def __getattr__(name):
     # LLM / LLMEngine pull in torch + the model stack: import them only when asked for.
     if name == "LLM":
-        from engine.llm import LLM
+        from genpool.engine.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+        from genpool.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(name)
 

@@ -78,6 +78,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if str(self.model).lower().endswith(".gguf"):  # a local GGUF file: its weights as stored
+            if self.quantization not in (None, "gguf"):
+                raise ValueError(f"{self.model} is a GGUF file: its weights load natively as stored; "
+                                 f"quantization {self.quantization!r} cannot apply to them")
+            self.quantization = "gguf"
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization is not None and self.tensor_parallel_size > 1:

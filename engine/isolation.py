@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from engine.sequence import Sequence
+from genpool.engine.sequence import Sequence
 
 log = logging.getLogger("genpool.engine")
 

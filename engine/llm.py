@@ -1,16 +1,26 @@
 """LLM: the offline entry point (vLLM's name and shape): generate / chat over a resident engine."""
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from genpool.engine.config import EngineConfig
+from genpool.engine.llm_engine import LLMEngine
+from genpool.engine.outputs import RequestOutput
+from genpool.engine.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str, **kwargs):
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
+
+    def close(self) -> None:
+        """Free the engine now (ranks stopped, KV freed) rather than at exit; idempotent."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

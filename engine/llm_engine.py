@@ -4,24 +4,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine import isolation
-from engine.config import EngineConfig
-from engine.cpu_alloc import trim_heap
-from engine.output_processor import OutputProcessor
-from engine.outputs import CompletionOutput, RequestError, RequestOutput
-from engine.protocol import EngineStats
-from engine.request import Request
-from engine.sampler import SampleRow, Sampler, make_generator
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.startup import StartLog, mib
-from engine.structured import StructuredOutputs
-from engine.tokenizer import load_tokenizer, read_eos_ids
+from genpool.engine.block_manager import BlockManager
+from genpool.engine import isolation
+from genpool.engine.config import EngineConfig
+from genpool.engine.cpu_alloc import trim_heap
+from genpool.engine.output_processor import OutputProcessor
+from genpool.engine.outputs import CompletionOutput, RequestError, RequestOutput
+from genpool.engine.protocol import EngineStats
+from genpool.engine.request import Request
+from genpool.engine.sampler import SampleRow, Sampler, make_generator
+from genpool.engine.sampling_params import SamplingParams
+from genpool.engine.scheduler import SampledToken, Scheduler
+from genpool.engine.sequence import Sequence, SequenceStatus
+from genpool.engine.startup import StartLog, mib
+from genpool.engine.structured import StructuredOutputs
+from genpool.engine.tokenizer import load_tokenizer, read_eos_ids
 
 log = logging.getLogger("genpool.engine")
 TRIM_AFTER_TOKENS = 512
@@ -29,9 +30,9 @@ TRIM_AFTER_TOKENS = 512
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from engine.model_runner import ModelRunner
-        from engine.models.loader import load_config
-        from engine.models.registry import resolve_model
+        from genpool.engine.model_runner import ModelRunner
+        from genpool.engine.models.loader import load_config
+        from genpool.engine.models.registry import resolve_model
 
         config = dataclasses.replace(config, device=config.resolved_device())  # "auto" decided once
         self.config = config
@@ -48,7 +49,7 @@ class LLMEngine:
         self.startup.phase("tokenizer loaded", f"vocab {args.vocab_size}")
         runner_cls = ModelRunner
         if config.tensor_parallel_size > 1:  # rank 0 here; ranks 1.. in their own processes
-            from engine.tp_runner import LeaderRunner as runner_cls
+            from genpool.engine.tp_runner import LeaderRunner as runner_cls
         self.runner = runner_cls(config, self.model_path, self.max_model_len, startup=self.startup)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -66,6 +67,9 @@ class LLMEngine:
         self._big_steps = False  # a step of >= TRIM_AFTER_TOKENS tokens ran since the last trim
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.requests, self._counters,
                                       self._fail)
+        self.closed = False
+        if config.tensor_parallel_size > 1:  # a later engine may close this one once it is gone
+            self.runner.owner = weakref.ref(self)
         self.startup.done()
 
     def describe(self) -> str:
@@ -108,6 +112,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self.encode_prompt(prompt)
@@ -156,9 +162,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def close(self) -> None:
+        """Stop the engine for good: tensor-parallel ranks stopped, grammar threads ended, weights
+        and KV cache freed. Unfinished requests are dropped. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.requests.clear()
+        self.structured.close()
+        self.runner.close()
+
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> sample -> update (the scheduler's bookkeeping) -> outputs."""
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         for rid, message in self.structured.poll():  # grammars compiled (or refused) since the last step
             self._fail(rid, RequestError("invalid_request", message))
         outputs, self._aborted = self._aborted, []

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, SampledRows
-from engine.config import EngineConfig
-from engine.cpu_alloc import default_kv_budget, lazy_zeros, trim_heap, tune_malloc
-from engine.startup import StartLog, mib
-from engine.models.llama import rope_cache
-from engine.models.loader import load_model
-from kernels import get_backend
+from genpool.engine.attention_metadata import AttentionMetadata, SampledRows
+from genpool.engine.config import EngineConfig
+from genpool.engine.cpu_alloc import default_kv_budget, lazy_zeros, trim_heap, tune_malloc
+from genpool.engine.startup import StartLog, mib
+from genpool.engine.models.llama import rope_cache
+from genpool.engine.models.loader import load_model
+from genpool.kernels import get_backend
 
 
 class ModelRunner:
@@ -44,6 +44,16 @@ class ModelRunner:
                       f"{mib(self.num_blocks * self.bytes_per_block)} reserved")
         # the backend's one-call stack for pure-decode steps (None where it has none), bound to these caches
         self.decode_stack = self.model.build_decode_stack(self.kv_caches, self.rope.shape[0])
+
+    def close(self) -> None:
+        """Drop the weights and the KV cache (their memory goes back once nothing else holds them)."""
+        self.decode_stack = None
+        self.kv_caches = []
+        self.model = None
+        if self.device.type == "cpu":
+            trim_heap()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _load_model(self, model_path):
         return load_model(model_path, self.dtype, self.device, self.kern, self.config.quantization)  # (a tensor-parallel rank loads its shard)

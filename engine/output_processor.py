@@ -7,10 +7,10 @@ import logging
 import time
 from typing import Callable
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestError, RequestOutput
-from engine.request import Request
-from engine.scheduler import SampledToken, Scheduler
+from genpool.engine.detokenizer import IncrementalDetokenizer
+from genpool.engine.outputs import CompletionOutput, RequestError, RequestOutput
+from genpool.engine.request import Request
+from genpool.engine.scheduler import SampledToken, Scheduler
 
 log = logging.getLogger("genpool.engine")
 

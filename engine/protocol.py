@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from genpool.engine.outputs import RequestOutput
+from genpool.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sequence import Sequence
+from genpool.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from genpool.engine.sequence import Sequence
 
 
 class Request:

@@ -18,8 +18,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from genpool.engine.block_manager import BlockManager
+from genpool.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

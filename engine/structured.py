@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sequence import Sequence
-from engine.structured_params import StructuredOutputsParams
-from kernels.cpu.token_mask import apply_token_bitmask  # logits are on the CPU on every device
-from schemas.structured import describe_error, llguidance_grammar
+from genpool.engine.sequence import Sequence
+from genpool.engine.structured_params import StructuredOutputsParams
+from genpool.kernels.cpu.token_mask import apply_token_bitmask  # logits are on the CPU on every device
+from genpool.schemas.structured import describe_error, llguidance_grammar
 
 log = logging.getLogger("genpool.engine.structured")
 

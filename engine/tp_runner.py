@@ -9,6 +9,7 @@ samples; the others drop theirs and wait for the next step.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing
 import os
@@ -21,13 +22,13 @@ from dataclasses import asdict, replace
 
 import torch
 
-from engine.config import EngineConfig
-from engine.cpu_alloc import default_kv_budget
-from engine.distributed import STOP, Comm, StepChannel, die, init_group, watch
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_config
-from engine.models.tp_linear import plan_shard
-from engine.models.tp_loader import load_shard
+from genpool.engine.config import EngineConfig
+from genpool.engine.cpu_alloc import default_kv_budget
+from genpool.engine.distributed import STOP, Comm, StepChannel, die, init_group, watch
+from genpool.engine.model_runner import ModelRunner
+from genpool.engine.models.loader import load_config
+from genpool.engine.models.tp_linear import plan_shard
+from genpool.engine.models.tp_loader import load_shard
 
 log = logging.getLogger("genpool.tp")
 
@@ -75,10 +76,13 @@ class LeaderRunner(TPModelRunner):
     """Rank 0: spawns and watches ranks 1..N-1, broadcasts each step before running it."""
 
     _active: "LeaderRunner | None" = None  # one process group per process
+    owner = staticmethod(lambda: True)  # LLMEngine sets a weakref to itself: gone -> closable
 
     def __init__(self, config: EngineConfig, model_path, max_model_len: int, startup=None):
+        LeaderRunner._close_orphan()
         if LeaderRunner._active is not None:
-            raise RuntimeError("a tensor-parallel engine is already running in this process; close it first")
+            raise RuntimeError("a tensor-parallel engine is already running in this process; close it "
+                               "first (LLM.close(), or `with LLM(...) as llm:`)")
         size = config.tensor_parallel_size
         args, _ = load_config(model_path)
         plan_shard(args, 0, size)  # unsupported splits: a clear error before any process starts
@@ -109,6 +113,17 @@ class LeaderRunner(TPModelRunner):
             self._abandon()
             raise RuntimeError(self._start_death)
         atexit.register(self.close)
+
+    @staticmethod
+    def _close_orphan() -> None:
+        """The running engine's LLM was deleted without close(): its ranks are nobody's, stop them
+        (one process group per process, so a new engine needs them gone)."""
+        active = LeaderRunner._active
+        if active is not None and active.owner() is not None:
+            gc.collect()  # the engine's own reference cycles keep it until a collection
+        if active is not None and active.owner() is None:
+            log.info("tensor parallel: closing the engine whose LLM was deleted")
+            active.close()
 
     def _abandon(self) -> None:
         self._stopping.set()
@@ -168,6 +183,7 @@ class LeaderRunner(TPModelRunner):
         shutil.rmtree(self._tmp, ignore_errors=True)
         LeaderRunner._active = None
         atexit.unregister(self.close)
+        super().close()
 
 
 def follower_main(config: dict, model_path: str, max_model_len: int, rank: int, init: str) -> None:

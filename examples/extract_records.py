@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from producer import Client  # noqa: E402
-from producer.pipeline import map_prompts  # noqa: E402
+from genpool.producer import Client  # noqa: E402
+from genpool.producer.pipeline import map_prompts  # noqa: E402
 
 DEFAULT_SCHEMA = {
     "type": "object",

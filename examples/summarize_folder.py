@@ -42,8 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from producer import Client  # noqa: E402
-from producer.pipeline import map_prompts  # noqa: E402
+from genpool.producer import Client  # noqa: E402
+from genpool.producer.pipeline import map_prompts  # noqa: E402
 
 SYSTEM = (
     "You are a careful editor who writes short, faithful summaries. Use only facts from the "

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import os
 
-from kernels.backend import DecodeStack, KernelBackend, TorchBackend
+from genpool.kernels.backend import DecodeStack, KernelBackend, TorchBackend
 
 __all__ = ["DecodeStack", "KernelBackend", "TorchBackend", "get_backend"]
 
 
 def _triton_backend() -> KernelBackend:
-    from kernels.triton.backend import TritonBackend
+    from genpool.kernels.triton.backend import TritonBackend
     return TritonBackend()
 
 
 def _cpu_backend(required: bool) -> KernelBackend:
-    from kernels.cpu.backend import build_backend
+    from genpool.kernels.cpu.backend import build_backend
     backend = build_backend()
     if backend is None:
         if required:

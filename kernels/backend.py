@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import ref
+from genpool.kernels import ref
 
 
 class DecodeStack(Protocol):

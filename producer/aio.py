@@ -11,16 +11,16 @@ from typing import Any, AsyncIterator, Optional
 import redis
 import redis.asyncio as aredis
 
-from schemas import TERMINAL, JobResult, Keys
+from genpool.schemas import TERMINAL, JobResult, Keys
 
 from .client import PIPELINE_CHUNK
-from schemas.config import key_prefix, redis_url
-from schemas.connection import backoff, connect_async, is_cluster, xread_one
+from genpool.schemas.config import key_prefix, redis_url
+from genpool.schemas.connection import backoff, connect_async, is_cluster, xread_one
 from .errors import JobFailed
 from .liveness import live_workers_async, serving
 from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
-from schemas.connection import stored_shards
-from schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
+from genpool.schemas.connection import stored_shards
+from genpool.schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
 from .replay import Replay
 from .waiting import RECONNECT_S, Watch, final_result
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from schemas import JobResult
+from genpool.schemas import JobResult
 
 from .client import Client
 from .openai_format import ENDPOINTS, APIError, OpenAIRequest, completion_body, parse_body

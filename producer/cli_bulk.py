@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args
 
 
 def register_batch(sub) -> None:

@@ -8,7 +8,7 @@ import sys
 import time
 
 from .cli import EXIT_FAILED, EXIT_NO_WORKERS, EXIT_TIMEOUT, follow, say_if_unserved
-from schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args
 
 
 def register_job(sub) -> None:

@@ -6,15 +6,15 @@ from typing import Any, Iterator, Optional
 
 import redis
 
-from schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent
+from genpool.schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent
 
-from schemas.config import key_prefix, redis_url
-from schemas.connection import backoff, connect, is_cluster, queue_script, xread_one
+from genpool.schemas.config import key_prefix, redis_url
+from genpool.schemas.connection import backoff, connect, is_cluster, queue_script, xread_one
 from .errors import JobFailed
 from .liveness import live_workers, serving
 from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
-from schemas.connection import stored_shards
-from schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
+from genpool.schemas.connection import stored_shards
+from genpool.schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
 from .replay import Replay
 from .waiting import RECONNECT_S, Watch, final_result
 
@@ -213,7 +213,7 @@ class Client:
     def map(self, items, concurrency: int = 16, **common):
         """Run every item (prompt string or dict of submit kwargs) with at most `concurrency`
         jobs in flight; JobResults in input order (see producer.pipeline.map_prompts)."""
-        from producer.pipeline import map_prompts
+        from genpool.producer.pipeline import map_prompts
 
         return map_prompts(self, items, concurrency=concurrency, **common)
 

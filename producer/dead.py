@@ -5,8 +5,8 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from schemas import JobRequest, describe_validation_error
-from schemas.scripts import RETRY_RESET_LUA
+from genpool.schemas import JobRequest, describe_validation_error
+from genpool.schemas.scripts import RETRY_RESET_LUA
 
 from .client import _retrying
 from .protocol import submit_args

@@ -15,7 +15,7 @@ from typing import Optional
 
 import redis
 
-from schemas import ErrorEvent, JobResult
+from genpool.schemas import ErrorEvent, JobResult
 
 
 class JobFailed(Exception):

@@ -19,15 +19,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas import Keys
+from genpool.schemas import Keys
 
 from .aio import AsyncClient, AsyncJob
 from .gateway_io import (ClientGone, background, chain, iterate_until_disconnect, read_json, sse,
                          until_disconnect)
-from schemas.config import key_prefix, redis_url
-from schemas.connection import connect_async
+from genpool.schemas.config import key_prefix, redis_url
+from genpool.schemas.connection import connect_async
 from .liveness import live_workers_async, served_names, serving
-from schemas.connection import lane_depths, queue_lane_depths
+from genpool.schemas.connection import lane_depths, queue_lane_depths
 from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body,
                             error_from_event, final_chunks, parse_body, scrub_paths)
 

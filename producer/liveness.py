@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from schemas import Keys
+from genpool.schemas import Keys
 
 
 def parse_infos(infos: dict, alive: list) -> list[dict]:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from schemas import Choice, ErrorEvent, JobResult, Usage
+from genpool.schemas import Choice, ErrorEvent, JobResult, Usage
 
 from .protocol import build_request
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterable, Optional
 
-from schemas import JobResult
+from genpool.schemas import JobResult
 
 from .client import Client, _retrying
 from .protocol import build_request, last_terminal, terminal_from_hash

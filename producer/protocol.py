@@ -6,9 +6,9 @@ from typing import Any, Iterator, Optional, Union
 
 from pydantic import ValidationError
 
-from schemas import ChatMessage, ErrorEvent, JobRequest, ResultEvent, describe_validation_error
-from schemas import parse_event as _parse_event
-from schemas.structured import check_structured, from_response_format, schema_of
+from genpool.schemas import ChatMessage, ErrorEvent, JobRequest, ResultEvent, describe_validation_error
+from genpool.schemas import parse_event as _parse_event
+from genpool.schemas.structured import check_structured, from_response_format, schema_of
 
 JOB_TTL_S = 7 * 86400  # a queued job's hash lives this long; workers shorten it once done
 CONTROL_MAXLEN = 10_000

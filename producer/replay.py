@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent
+from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent
 
 AnyEvent = Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent]
 

@@ -6,9 +6,9 @@ import time
 
 import redis
 
-from schemas import Keys
+from genpool.schemas import Keys
 
-from schemas.connection import lane_depths, queue_lane_depths
+from genpool.schemas.connection import lane_depths, queue_lane_depths
 
 
 def _lane_status(r: redis.Redis, keys: Keys) -> dict:

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Optional
 
-from schemas import ErrorEvent, JobResult, ResultEvent
+from genpool.schemas import ErrorEvent, JobResult, ResultEvent
 
 from .errors import JobFailed, NoWorkers, QueueUnavailable
 

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from schemas.keys import LANES
+from genpool.schemas.keys import LANES
 
 # Errors that mean "Redis is away for now" (retry after a reconnect), as against an answer:
 # a lost connection, a cluster whose slots are not served, a slot in the middle of a migration.

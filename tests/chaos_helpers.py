@@ -7,7 +7,7 @@ attempt. Lanes: nothing queued, nothing pending.
 """
 from __future__ import annotations
 
-from schemas import parse_event
+from genpool.schemas import parse_event
 
 
 def raw_events(client, job_id: str) -> list:

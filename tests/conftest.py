@@ -7,18 +7,64 @@ greedy argmaxes are decisive rather than near-ties.
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests import hygiene
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ("engine", "kernels", "workers", "producer", "schemas")
+
+
+class _CheckoutIsNotTopLevel(importlib.abc.MetaPathFinder):
+    """`python -m pytest` from the checkout puts its root on sys.path, so the product folders
+    would also import as top-level `kernels`, `engine`...: names other distributions own
+    (transformers 5.25 imports Hugging Face's `kernels`). The product is genpool.* only; a
+    top-level name resolves as in an installed interpreter, without the checkout root."""
+
+    def find_spec(self, name, path=None, target=None):
+        if path is not None or name not in PRODUCT:
+            return None
+        elsewhere = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+        spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r} (the checkout's {name}/ is "
+                                      f"genpool.{name})", name=name)
+        return spec
+
+
+sys.meta_path.insert(0, _CheckoutIsNotTopLevel())
+
+
+def _tests_only_path() -> str:
+    """A directory holding only a `tests` link to this checkout's tests/: child processes get it
+    as PYTHONPATH (fake engines, helpers), never the checkout root with its product folders."""
+    import hashlib
+    import tempfile
+    d = Path(tempfile.gettempdir()) / f"genpool-tests-path-{os.getuid()}-{hashlib.sha1(bytes(ROOT)).hexdigest()[:10]}"
+    d.mkdir(exist_ok=True)
+    link = d / "tests"
+    if not link.is_symlink() or link.resolve() != ROOT / "tests":
+        tmp = d / f".tests-{os.getpid()}"
+        tmp.symlink_to(ROOT / "tests")
+        os.replace(tmp, link)  # atomic: concurrent sessions never see a missing link
+    return str(d)
+
+
+# Children see tests/ through this path; -P / PYTHONSAFEPATH keeps their working directory off sys.path.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_tests_only_path(), os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONSAFEPATH"] = "1"
+
+from tests import hygiene  # noqa: E402  (after the finder: nothing may import a product name first)
 from tests.tiny_tokenizer import VOCAB_SIZE as TINY_VOCAB_SIZE
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from engine.models.registry import resolve_model
+    from genpool.engine.models.registry import resolve_model
 
     try:
         return resolve_model("smollm2-135m")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.protocol import EngineStats
+from genpool.engine.outputs import CompletionOutput, RequestOutput
+from genpool.engine.protocol import EngineStats
 
 
 class FakeTokenizer:

@@ -11,9 +11,9 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from producer import Client
-from schemas.connection import connect, delete_prefix
-from schemas import Keys
+from genpool.producer import Client
+from genpool.schemas.connection import connect, delete_prefix
+from genpool.schemas import Keys
 from tests import hygiene
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def drop_prefix(url: str, prefix: str) -> None:
 @contextmanager
 def worker_thread(engine, url: str, prefix: str, lane_shards: int = 1, **cfg):
     """A Worker running in a thread of this process (signals are not installed)."""
-    from workers.worker import Worker, WorkerConfig
+    from genpool.workers.worker import Worker, WorkerConfig
 
     cfg.setdefault("served_models", frozenset({"fake"}))
     cfg.setdefault("name", f"w-{uuid.uuid4().hex[:6]}")
@@ -105,9 +105,9 @@ def spawn_worker(url: str, prefix: str, model: str, name: str, *extra: str, env=
             f"a test would run more than {MAX_MODEL_PROCS} model processes at once")
         if "--num-kv-blocks" not in extra:
             extra = (*extra, "--num-kv-blocks", TEST_KV_BLOCKS)
-    cmd = [sys.executable, "-m", "workers.cli.main", "worker", "--model", str(model), "--redis", url,
+    cmd = [sys.executable, "-P", "-m", "genpool.workers.cli.main", "worker", "--model", str(model), "--redis", url,
            "--prefix", prefix, "--name", name, *extra]
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    full_env = dict(os.environ, **(env or {}))
     err = open(log_path, "wb") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=err)
     if not fake:
@@ -149,8 +149,8 @@ def stop_proc(proc: subprocess.Popen, timeout: float = 30.0) -> int:
 
 def offline(llm, specs: list[dict]) -> dict[str, tuple[str, list[int]]]:
     """The same requests through LLM.generate (chat prompts built exactly like LLM.chat)."""
-    from engine import SamplingParams
-    from schemas import JobRequest
+    from genpool.engine import SamplingParams
+    from genpool.schemas import JobRequest
 
     eng = llm.llm_engine
     prompts, params = [], []

@@ -60,9 +60,39 @@ def test_imports_stay_inside_their_room(room):
         if _room(rel) != room:
             continue
         for line, mod in _imports(path):
-            if mod.split(".")[0] in FORBIDDEN[room]:
+            if _folder(mod) in FORBIDDEN[room]:
                 wrong.append(f"{rel}:{line} imports {mod}")
     assert not wrong, f"{room} may not import {sorted(FORBIDDEN[room])}:\n" + "\n".join(wrong)
+
+
+def _folder(mod: str) -> str:
+    """The product folder (or heavy library) an import names: genpool.engine.x -> engine."""
+    parts = mod.split(".")
+    return parts[1] if parts[0] == "genpool" and len(parts) > 1 else parts[0]
+
+
+def _everything_python():
+    for top in (*sorted(PRODUCT), "tests", "benchmarks", "examples", "docs"):
+        yield from sorted((ROOT / top).rglob("*.py"))
+
+
+def test_no_top_level_product_imports():
+    """Product folders import only as genpool.*: a bare `engine` / `kernels` ... resolves to
+    whatever distribution owns that top-level name (transformers 5.25 ships a `kernels`)."""
+    bare = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in _everything_python()
+            for line, mod in _imports(p) if mod.split(".")[0] in PRODUCT]
+    assert not bare, "\n".join(bare)
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml's explicit package list (the genpool.* mapping) names every folder with an
+    __init__.py, so a new sub-package cannot be left out of wheels and regular installs."""
+    import tomllib
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {"genpool." + ".".join(p.parent.relative_to(ROOT).parts)
+               for top in PRODUCT for p in (ROOT / top).rglob("__init__.py")}
+    assert set(cfg["packages"]) == on_disk, set(cfg["packages"]) ^ on_disk
+    assert cfg["package-dir"] == {f"genpool.{t}": t for t in PRODUCT}
 
 
 def test_a_forbidden_import_is_caught(tmp_path):
@@ -91,7 +121,7 @@ def test_nothing_in_the_product_pickles():
 
 def test_celery_accepts_and_sends_json_only():
     pytest.importorskip("celery")
-    from workers.integrations.celery_app import app
+    from genpool.workers.integrations.celery_app import app
     c = app.conf
     assert (c.task_serializer, c.result_serializer, c.event_serializer) == ("json", "json", "json")
     assert list(c.accept_content) == ["json"] and list(c.result_accept_content) == ["json"]

@@ -24,7 +24,7 @@ if DEVICE.startswith("cuda") and not torch.cuda.is_available():
 
 # A module imported earlier in the session without the interpreter flag holds compiled-mode
 # kernels that cannot run on the CPU: re-run its @triton.jit decorators now that the flag is set.
-for _name in ("kernels.triton.kv_write", "kernels.triton.paged_attention",
-              "kernels.triton.rms_norm", "kernels.triton.rotary"):
+for _name in ("genpool.kernels.triton.kv_write", "genpool.kernels.triton.paged_attention",
+              "genpool.kernels.triton.rms_norm", "genpool.kernels.triton.rotary"):
     if DEVICE == "cpu" and _name in sys.modules:
         importlib.reload(sys.modules[_name])

@@ -12,16 +12,16 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from schemas.connection import REDIS_DOWN, queue_script
-from engine.protocol import EngineStats
-from schemas import ErrorEvent, JobRequest
+from genpool.schemas.connection import REDIS_DOWN, queue_script
+from genpool.engine.protocol import EngineStats
+from genpool.schemas import ErrorEvent, JobRequest
 
-from workers.intake import Parsed
-from workers.jobstate import InFlight
-from workers.lease import Fence, new_token
-from workers.outbox import Outbox
-from workers.streams import s
-from schemas.scripts import CLAIM_LUA
+from genpool.workers.intake import Parsed
+from genpool.workers.jobstate import InFlight
+from genpool.workers.lease import Fence, new_token
+from genpool.workers.outbox import Outbox
+from genpool.workers.streams import s
+from genpool.schemas.scripts import CLAIM_LUA
 
 WRITES = ("run", "check", "cancelled", "dead")  # verdicts that hold a lease and write for the job
 SOLO_AFTER = 2  # lost-worker batches a job may share before it runs alone (see CLAIM_LUA)
@@ -55,7 +55,7 @@ def to_engine_prompt(engine, req: JobRequest, tokenizer=None) -> dict:
 
 
 def make_params(req: JobRequest):
-    from engine import SamplingParams  # the engine's own validation has the last word
+    from genpool.engine import SamplingParams  # the engine's own validation has the last word
 
     return SamplingParams(**req.sampling_kwargs())
 

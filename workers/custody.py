@@ -10,13 +10,13 @@ import logging
 from collections import deque
 from typing import Optional
 
-from schemas import ErrorEvent
+from genpool.schemas import ErrorEvent
 
-from workers.admission import SOLO_AFTER, Verdict, longest_token_chars, prepare
-from workers.intake import Entry, Parsed, parse_entry
-from workers.lease import Lease, LeaseKeeper
-from workers.preparer import Preparer, private_tokenizer
-from workers.publisher import Publisher
+from genpool.workers.admission import SOLO_AFTER, Verdict, longest_token_chars, prepare
+from genpool.workers.intake import Entry, Parsed, parse_entry
+from genpool.workers.lease import Lease, LeaseKeeper
+from genpool.workers.preparer import Preparer, private_tokenizer
+from genpool.workers.publisher import Publisher
 
 log = logging.getLogger("genpool.worker")
 

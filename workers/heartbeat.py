@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from schemas import Keys
+from genpool.schemas import Keys
 
 STALE_S = 3600  # forget a worker whose last beat is this old (it died without saying goodbye)
 

@@ -5,10 +5,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from schemas import Choice, JobRequest, ResultEvent, Timings, TokenEvent, Usage
+from genpool.schemas import Choice, JobRequest, ResultEvent, Timings, TokenEvent, Usage
 
-from workers.intake import Entry
-from workers.lease import Fence
+from genpool.workers.intake import Entry
+from genpool.workers.lease import Fence
 
 
 @dataclass

@@ -23,11 +23,11 @@ from typing import Callable, Optional
 
 import redis
 
-from schemas.connection import is_cluster
-from schemas import Keys
+from genpool.schemas.connection import is_cluster
+from genpool.schemas import Keys
 
-from workers.intake import Entry
-from schemas.scripts import FENCE_LUA
+from genpool.workers.intake import Entry
+from genpool.schemas.scripts import FENCE_LUA
 
 log = logging.getLogger("genpool.worker")
 

@@ -20,14 +20,14 @@ from typing import Optional
 
 import redis
 
-from schemas.connection import REDIS_DOWN, is_cluster
-from schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
+from genpool.schemas.connection import REDIS_DOWN, is_cluster
+from genpool.schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
 
-from workers.intake import Entry
-from workers.jobstate import InFlight
-from workers.lease import Fence, fence_call
-from schemas.scripts import FENCE_LUA
-from workers.observe import Observers
+from genpool.workers.intake import Entry
+from genpool.workers.jobstate import InFlight
+from genpool.workers.lease import Fence, fence_call
+from genpool.schemas.scripts import FENCE_LUA
+from genpool.workers.observe import Observers
 
 log = logging.getLogger("genpool.worker")
 

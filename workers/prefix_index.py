@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Optional
 
-from workers.streams import s
+from genpool.workers.streams import s
 
 log = logging.getLogger("genpool.worker")
 

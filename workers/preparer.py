@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Callable
 
-from workers.intake import Entry, Parsed
+from genpool.workers.intake import Entry, Parsed
 
 log = logging.getLogger("genpool.worker")
 INLINE_BYTES = 64 << 10

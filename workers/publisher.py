@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import redis
 
-from workers.outbox import Outbox
+from genpool.workers.outbox import Outbox
 
 
 class Publisher:

@@ -11,8 +11,8 @@ from typing import Optional
 
 import redis
 
-from schemas.connection import REDIS_DOWN, backoff
-from workers.streams import ensure_groups, publish_shards, reclaim
+from genpool.schemas.connection import REDIS_DOWN, backoff
+from genpool.workers.streams import ensure_groups, publish_shards, reclaim
 
 log = logging.getLogger("genpool.worker")
 

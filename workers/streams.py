@@ -5,10 +5,10 @@ import logging
 
 import redis
 
-from schemas import Keys
+from genpool.schemas import Keys
 
-from workers.intake import Entry
-from schemas.scripts import SHARDS_LUA
+from genpool.workers.intake import Entry
+from genpool.schemas.scripts import SHARDS_LUA
 
 log = logging.getLogger("genpool.worker")
 

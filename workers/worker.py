@@ -16,22 +16,22 @@ from typing import Optional
 
 import redis
 
-from engine.protocol import Engine
-from schemas import LANES, ErrorEvent, Keys
+from genpool.engine.protocol import Engine
+from genpool.schemas import LANES, ErrorEvent, Keys
 
-from workers.admission import Admitter, free_capacity
-from workers.custody import Custody
-from workers.heartbeat import Heartbeat
-from workers.intake import Entry
-from workers.jobstate import InFlight
-from workers.observe import Observers
-from workers.outbox import Outbox
-from workers.recovery import Recovery
-from workers.router import Router
-from workers.streams import (ControlReader, ensure_groups, entries_from, lane_budgets,
+from genpool.workers.admission import Admitter, free_capacity
+from genpool.workers.custody import Custody
+from genpool.workers.heartbeat import Heartbeat
+from genpool.workers.intake import Entry
+from genpool.workers.jobstate import InFlight
+from genpool.workers.observe import Observers
+from genpool.workers.outbox import Outbox
+from genpool.workers.recovery import Recovery
+from genpool.workers.router import Router
+from genpool.workers.streams import (ControlReader, ensure_groups, entries_from, lane_budgets,
                              own_pending, publish_shards)
-from schemas.scripts import READ_LUA
-from workers.worker_config import WorkerConfig
+from genpool.schemas.scripts import READ_LUA
+from genpool.workers.worker_config import WorkerConfig
 
 log = logging.getLogger("genpool.worker")
 

@@ -39,16 +39,16 @@ def _env_int(name: str):
 def run_worker(worker, a: argparse.Namespace, url: str) -> int:
     """Attach the observers the options ask for, then run the loop (here, or inside Celery)."""
     if a.metrics_port is not None:
-        from workers.integrations.metrics import attach_metrics
+        from genpool.workers.integrations.metrics import attach_metrics
 
         attach_metrics(worker, a.metrics_port, url, a.metrics_addr)
     if a.celery:
-        from workers.integrations.celery_worker import run_in_celery
+        from genpool.workers.integrations.celery_worker import run_in_celery
 
         return run_in_celery(worker, url, a.celery_queue, a.celery_concurrency, a.log_level)
     if a.celery_events:
-        from workers.integrations.celery_app import app, configure
-        from workers.integrations.flower_events import attach_flower_events
+        from genpool.workers.integrations.celery_app import app, configure
+        from genpool.workers.integrations.flower_events import attach_flower_events
 
         configure(url, worker.keys.prefix, a.celery_queue)
         attach_flower_events(worker, app)

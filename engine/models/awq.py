@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.qtensor import QTensor, pack_nibbles
+from genpool.kernels.qtensor import QTensor, pack_nibbles
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 -> column offset AWQ_ORDER[i]
 _PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -54,7 +54,7 @@ def awq_qtensor(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 def load_awq_model(path: str | Path, args, dtype: torch.dtype = torch.float32, device="cpu", kern=None):
     from safetensors.torch import load_file
 
-    from engine.models.quant import build_model
+    from genpool.engine.models.quant import build_model
     path = Path(path)
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):

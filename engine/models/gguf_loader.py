@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.qtensor import QTensor, pack_nibbles
+from genpool.kernels.qtensor import QTensor, pack_nibbles
 
 # GGML type name -> (bits, block elements, bytes per block)
 QUANT_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (4, 32, 18), "Q4_1": (4, 32, 20)}
@@ -31,7 +31,7 @@ def find_gguf(model_path: str | Path) -> Path:
         return found[0]
     if len(found) > 1:
         raise ValueError(f"{p} holds {len(found)} .gguf files; name one: {[f.name for f in found]}")
-    from engine.models.registry import gguf_path
+    from genpool.engine.models.registry import gguf_path
     return gguf_path(p.name)
 
 
@@ -108,7 +108,7 @@ _LAYER_NAMES = {"ln1": "attn_norm", "ln2": "ffn_norm", "q": "attn_q", "k": "attn
 
 
 def _unpermute(w, heads: int):
-    from kernels.qtensor import permute_rows
+    from genpool.kernels.qtensor import permute_rows
     idx = unpermute_rows(w.shape[0], heads)
     return permute_rows(w, idx) if isinstance(w, QTensor) else w.index_select(0, idx)
 
@@ -116,7 +116,7 @@ def _unpermute(w, heads: int):
 def load_gguf_model(model_path: str | Path, args, dtype: torch.dtype = torch.float32, device="cpu",
                     kern=None):
     """The model with its linear weights (and a quantized embedding table) as the GGUF stores them."""
-    from engine.models.quant import build_model
+    from genpool.engine.models.quant import build_model
     path = find_gguf(model_path)
     meta, t = read_tensors(path)
     check_args(meta, args)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from engine.attention_metadata import AttentionMetadata, SampledRows
-from kernels import DecodeStack, KernelBackend
+from genpool.engine.attention_metadata import AttentionMetadata, SampledRows
+from genpool.kernels import DecodeStack, KernelBackend
 
 
 @dataclass

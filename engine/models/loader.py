@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.models import quant
-from engine.models.llama import LlamaForCausalLM, ModelArgs
-from kernels import KernelBackend, get_backend
+from genpool.engine.models import quant
+from genpool.engine.models.llama import LlamaForCausalLM, ModelArgs
+from genpool.kernels import KernelBackend, get_backend
 
 
 def load_config(path: str | Path) -> tuple[ModelArgs, dict]:
@@ -43,10 +43,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     args, cfg = load_config(path)
     quantization = quant.checkpoint_quantization(cfg, quantization)
     if quantization == "gguf":
-        from engine.models.gguf_loader import load_gguf_model
+        from genpool.engine.models.gguf_loader import load_gguf_model
         return _packed(load_gguf_model(path, args, dtype, device, kern))
     if quantization == "awq":
-        from engine.models.awq import load_awq_model
+        from genpool.engine.models.awq import load_awq_model
         return _packed(load_awq_model(path, args, dtype, device, kern))
     with torch.device("meta"):
         model = LlamaForCausalLM(args, kern)

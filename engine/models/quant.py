@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import QUANTIZATIONS
-from kernels.qtensor import QTensor, cat as qcat
+from genpool.engine.config import QUANTIZATIONS
+from genpool.kernels.qtensor import QTensor, cat as qcat
 
 
 def quantize_int8(w: torch.Tensor) -> QTensor:
@@ -68,7 +68,7 @@ def build_model(args, layers: list[dict[str, Weight]], embed: Weight, norm: torc
                 lm_head: Weight | None, dtype: torch.dtype, device, kern=None):
     """A LlamaForCausalLM from per-layer weights in HF's names (q, k, v, o, gate, up, down: [N, K];
     ln1, ln2: norm weights; q_bias, k_bias, v_bias where the model has them). lm_head None: tied."""
-    from engine.models.llama import LlamaForCausalLM
+    from genpool.engine.models.llama import LlamaForCausalLM
     with torch.device("meta"):
         model = LlamaForCausalLM(args, kern)
     p = lambda t: torch.nn.Parameter(t.to(dtype), requires_grad=False)  # noqa: E731
@@ -94,7 +94,7 @@ def build_model(args, layers: list[dict[str, Weight]], embed: Weight, norm: torc
 
 def _move_qtensors(model, device: torch.device) -> None:
     """QTensors are not parameters, so model.to() does not move them; a shared one stays shared."""
-    from engine.models.llama import Linear
+    from genpool.engine.models.llama import Linear
     moved: dict[int, QTensor] = {}
     for m in model.modules():
         if isinstance(m, (Linear, QuantEmbedding)) and m.qweight is not None and m.qweight.q.device != device:
@@ -104,7 +104,7 @@ def _move_qtensors(model, device: torch.device) -> None:
 def quantize_model(model, mode: str) -> None:
     """Quantize every linear weight of a loaded model in place (mode "int8": per output channel);
     a tied embedding shares the lm_head's int8 table."""
-    from engine.models.llama import Linear
+    from genpool.engine.models.llama import Linear
     if mode != "int8":
         raise ValueError(f"quantize at load: only 'int8', got {mode!r}")
     tied = model.args.tie_word_embeddings and isinstance(model.model.embed_tokens, torch.nn.Embedding)

@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.config import genpool_home
+from genpool.schemas.config import genpool_home
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def is_pulled(name: str) -> bool:
 
 def _unknown_msg(name: str) -> str:
     names = ", ".join(f"{s.name} (aliases: {', '.join(s.aliases)})" for s in REGISTRY.values())
-    return (f"unknown model {name!r}: not a local directory with config.json and not a registry "
+    return (f"unknown model {name!r}: not a local .gguf file, not a directory with config.json and not a registry "
             f"name; known names: {names}")
 
 
@@ -194,9 +194,13 @@ def gguf_path(name: str) -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike, download: bool = True) -> Path:
+    from genpool.engine.models.gguf_file import gguf_model_dir, is_gguf_file
+
     p = Path(name_or_path).expanduser()
     if p.is_dir() and (p / "config.json").is_file():
         return p
+    if is_gguf_file(p):  # a local .gguf: its metadata written out once, its weights loaded natively
+        return gguf_model_dir(p)
     spec = lookup(str(name_or_path))
     if spec is None:
         if p.exists():

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.models.llama import Linear, LlamaForCausalLM, ModelArgs
+from genpool.engine.models.llama import Linear, LlamaForCausalLM, ModelArgs
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ from functools import partial
 
 import torch
 
-from kernels import ref
-from kernels.cpu import build as cpu_build, decode_attention as cpu_decode_attention, decode_layers as cpu_decode_layers, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, qgemm as cpu_qgemm, rms_norm as cpu_rms_norm, rotary as cpu_rotary, silu_mul as cpu_silu_mul, write_kv as cpu_write_kv
-from kernels.backend import DecodeStack, TorchBackend
-from kernels.qtensor import QTensor
+from genpool.kernels import ref
+from genpool.kernels.cpu import build as cpu_build, decode_attention as cpu_decode_attention, decode_layers as cpu_decode_layers, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, qgemm as cpu_qgemm, rms_norm as cpu_rms_norm, rotary as cpu_rotary, silu_mul as cpu_silu_mul, write_kv as cpu_write_kv
+from genpool.kernels.backend import DecodeStack, TorchBackend
+from genpool.kernels.qtensor import QTensor
 
 
 def _rms_norm(x, weight, eps, residual=None):

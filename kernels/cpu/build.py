@@ -45,7 +45,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def cache_dir() -> Path:
-    from schemas.config import genpool_home  # the one definition of $GENPOOL_HOME's default
+    from genpool.schemas.config import genpool_home  # the one definition of $GENPOOL_HOME's default
     return genpool_home() / "kernels"
 
 

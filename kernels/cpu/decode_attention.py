@@ -9,7 +9,7 @@ from functools import cache
 
 import torch
 
-from kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import build as cpu_build
 
 _DTYPES = cpu_build.DTYPE_CODES
 _ERRORS = {-1: "out of memory", -2: "block id out of range", -3: "sequence length outside its block table"}

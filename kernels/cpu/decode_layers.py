@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from kernels.cpu import build as cpu_build, gemm as cpu_gemm, qgemm as cpu_qgemm
+from genpool.kernels.cpu import build as cpu_build, gemm as cpu_gemm, qgemm as cpu_qgemm
 
 WEIGHTS = ("qkv", "o", "gate_up", "down")
 

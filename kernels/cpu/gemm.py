@@ -12,7 +12,7 @@ from functools import cache, cached_property
 
 import torch
 
-from kernels.cpu import build as cpu_build, memory as cpu_memory
+from genpool.kernels.cpu import build as cpu_build, memory as cpu_memory
 
 @cache
 def _kernel():

@@ -10,8 +10,8 @@ from functools import cache
 
 import torch
 
-from kernels import ref
-from kernels.cpu import build as cpu_build
+from genpool.kernels import ref
+from genpool.kernels.cpu import build as cpu_build
 
 _ERRORS = {-1: "out of memory", -2: "block id out of range", -3: "sequence lengths outside their block table",
            -4: "unsupported shape"}

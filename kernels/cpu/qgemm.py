@@ -20,9 +20,9 @@ from functools import cache
 
 import torch
 
-from kernels.cpu import build as cpu_build, memory as cpu_memory
-from kernels.cpu.gemm import _check_x  # the same check: x is [M, w.k] fp32 on the CPU
-from kernels.qtensor import QTensor
+from genpool.kernels.cpu import build as cpu_build, memory as cpu_memory
+from genpool.kernels.cpu.gemm import _check_x  # the same check: x is [M, w.k] fp32 on the CPU
+from genpool.kernels.qtensor import QTensor
 
 
 class QWeightStruct(ctypes.Structure):
@@ -257,7 +257,7 @@ def qgemm_swiglu(x: torch.Tensor, w: QPackedWeight) -> torch.Tensor:
     x = _check_x(x, w)
     m, inter = x.shape[0], w.n // 2
     if m >= BF16_PREFILL_ROWS and w.layout == "panels" and bf16_prefill():
-        from kernels.cpu.silu_mul import silu_and_mul
+        from genpool.kernels.cpu.silu_mul import silu_and_mul
         return silu_and_mul(_bf16_product(x, w))
     y = torch.empty(m, inter, dtype=torch.float32)
     if m:

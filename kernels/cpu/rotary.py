@@ -6,7 +6,7 @@ from functools import cache
 
 import torch
 
-from kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import build as cpu_build
 
 _DTYPES = cpu_build.DTYPE_CODES
 

@@ -8,7 +8,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import build as cpu_build
 
 
 @cache

@@ -8,8 +8,8 @@ from functools import cache
 
 import torch
 
-from kernels import ref
-from kernels.cpu import build as cpu_build
+from genpool.kernels import ref
+from genpool.kernels.cpu import build as cpu_build
 
 
 @cache

@@ -4,7 +4,7 @@
 is built (not when this module is), so that a test can set TRITON_INTERPRET=1 and reload them
 first to run the kernels on the CPU (slowly; tests only).
 """
-from kernels.backend import TorchBackend
+from genpool.kernels.backend import TorchBackend
 
 
 class TritonBackend(TorchBackend):
@@ -14,11 +14,11 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self):
-        from kernels.triton.kv_write import write_kv
-        from kernels.triton.paged_attention import paged_attention
-        from kernels.triton.rms_norm import rms_norm
-        from kernels.triton.rotary import rotary
-        from kernels.triton.qgemm import gate_up_silu, linear, pack_linear
+        from genpool.kernels.triton.kv_write import write_kv
+        from genpool.kernels.triton.paged_attention import paged_attention
+        from genpool.kernels.triton.rms_norm import rms_norm
+        from genpool.kernels.triton.rotary import rotary
+        from genpool.kernels.triton.qgemm import gate_up_silu, linear, pack_linear
 
         self.write_kv, self.paged_attention, self.rms_norm, self.rotary = write_kv, paged_attention, rms_norm, rotary
         self.linear, self.pack_linear, self.gate_up_silu = linear, pack_linear, gate_up_silu

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import ref
-from kernels.qtensor import QTensor
+from genpool.kernels import ref
+from genpool.kernels.qtensor import QTensor
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.models.awq import pack_int4, unpack_int4
+from genpool.engine.models.awq import pack_int4, unpack_int4
 from tests.tiny_tokenizer import VOCAB_SIZE, write_tiny_tokenizer
 
 GROUP = 128
@@ -72,7 +72,7 @@ def test_pack_int4_round_trips_in_awq_order():
 
 
 def test_awq_checkpoint_dequantizes_to_exactly_the_values_written(awq_path):
-    from engine.models.loader import load_model
+    from genpool.engine.models.loader import load_model
     path, expected, written = awq_path
     model = load_model(path)  # AWQ from config.json, unasked
     for i, layer in enumerate(model.model.layers):
@@ -94,7 +94,7 @@ def test_awq_checkpoint_dequantizes_to_exactly_the_values_written(awq_path):
 def test_engine_runs_the_awq_checkpoint_like_its_dequantized_weights(awq_path, monkeypatch):
     """Greedy tokens through the quantized GEMM on fp32 FMAs match the torch reference backend (which
     multiplies the dequantized weights), within near-ties of fp32 summation order."""
-    from kernels.cpu import qgemm as cpu_qgemm
+    from genpool.kernels.cpu import qgemm as cpu_qgemm
     monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", "fp32")
     cpu_qgemm.compute_mode.cache_clear()
     try:
@@ -104,7 +104,7 @@ def test_engine_runs_the_awq_checkpoint_like_its_dequantized_weights(awq_path, m
 
 
 def _greedy_matches_the_reference(path):
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1, 100 + i, 2000 + 7 * i, 300]} for i in range(4)]
     fast = LLM(str(path), num_kv_blocks=64)
@@ -120,9 +120,9 @@ def _greedy_matches_the_reference(path):
 def test_awq_layers_on_int8_dot_products_stay_close_to_the_dequantized_ones(awq_path):
     """The default compute on VNNI CPUs (int8 activations, cpu_qgemm_vnni.c): each quantized layer's
     output within 2% of the torch reference's over the same dequantized weights."""
-    from engine.models.loader import load_model
-    from kernels import get_backend
-    from kernels.cpu import qgemm as cpu_qgemm
+    from genpool.engine.models.loader import load_model
+    from genpool.kernels import get_backend
+    from genpool.kernels.cpu import qgemm as cpu_qgemm
     cpu_qgemm.compute_mode.cache_clear()
     if cpu_qgemm.compute_mode() != "vnni":
         pytest.skip("this CPU or build has no AVX512-VNNI")

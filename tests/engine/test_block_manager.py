@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-import engine.block_manager as bm_mod
-from engine.block_manager import NO_PARENT, BlockManager, chain_hash
-from engine.sequence import Sequence
+import genpool.engine.block_manager as bm_mod
+from genpool.engine.block_manager import NO_PARENT, BlockManager, chain_hash
+from genpool.engine.sequence import Sequence
 
 BS = 4
 
@@ -38,9 +38,9 @@ def refs(bm: BlockManager) -> list[int]:
 def test_engine_bookkeeping_modules_do_not_import_torch():
     # A fresh interpreter: other test modules in the same pytest session may import torch.
     code = ("import sys\n"
-            "import engine.block_manager, engine.scheduler, engine.sequence\n"
+            "import genpool.engine.block_manager, genpool.engine.scheduler, genpool.engine.sequence\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
 

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import MAX_PENDING, IncrementalDetokenizer
+from genpool.engine.detokenizer import MAX_PENDING, IncrementalDetokenizer
 
 EURO = "\u20ac"  # 3 UTF-8 bytes: e2 82 ac
 

@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import FAILED, SampleRow, Sampler
+from genpool.engine import LLM, SamplingParams
+from genpool.engine.sampler import FAILED, SampleRow, Sampler
 
 POISON = 1234
 

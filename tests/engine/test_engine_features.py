@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from genpool.engine import LLM, SamplingParams
 from tests.hf_ref import hf_greedy
 
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate([1, 7, 16, 23, 40, 64, 90, 150])]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from genpool.engine import LLM, SamplingParams
 from tests.hf_ref import hf_greedy, hf_logits
 from tests.prompts import QUESTIONS, SHARED_QUESTIONS, SHARED_SYSTEM, chat_ids
 

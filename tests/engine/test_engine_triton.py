@@ -6,7 +6,7 @@ from tests.triton_interp import DEVICE  # noqa: I001 (first: sets TRITON_INTERPR
 
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from genpool.engine import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 26))},  # 21 tokens: two blocks, the second partial
            {"prompt_token_ids": list(range(5, 21)) + [400, 401, 402]}]  # shares the first block

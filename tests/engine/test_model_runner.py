@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from genpool.engine.config import EngineConfig
+from genpool.engine.model_runner import ModelRunner
 
 
 def _seq(tokens, computed, table):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.quant import quantize_int8
-from kernels.cpu import gemm as cpu_gemm, qgemm as cpu_qgemm
-from kernels.qtensor import QTensor, pack_nibbles
+from genpool.engine.models.quant import quantize_int8
+from genpool.kernels.cpu import gemm as cpu_gemm, qgemm as cpu_qgemm
+from genpool.kernels.qtensor import QTensor, pack_nibbles
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(), reason="no C compiler for the CPU kernels")
 
@@ -77,7 +77,7 @@ def _write_tiny_gguf(path, hf_dir) -> dict[str, tuple[str, torch.Tensor]]:
     import gguf
     from safetensors.torch import load_file
 
-    from engine.models.loader import load_config
+    from genpool.engine.models.loader import load_config
     args, _ = load_config(hf_dir)
     state = load_file(str(next(hf_dir.glob("*.safetensors"))))
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -120,7 +120,7 @@ def _write_tiny_gguf(path, hf_dir) -> dict[str, tuple[str, torch.Tensor]]:
 def test_gguf_q4_0_q4_1_q8_0_load_as_the_file_dequantizes(tiny_llama_path, tmp_path):
     import shutil
 
-    from engine.models.loader import load_model
+    from genpool.engine.models.loader import load_model
     model_dir = tmp_path / "tiny-gguf"
     shutil.copytree(tiny_llama_path, model_dir)
     expected = _write_tiny_gguf(model_dir / "tiny.gguf", tiny_llama_path)
@@ -147,7 +147,7 @@ def test_gguf_from_another_model_is_refused(tiny_llama_path, tmp_path):
     import json
     import shutil
 
-    from engine.models.loader import load_model
+    from genpool.engine.models.loader import load_model
     model_dir = tmp_path / "tiny-gguf"
     shutil.copytree(tiny_llama_path, model_dir)
     _write_tiny_gguf(model_dir / "tiny.gguf", tiny_llama_path)
@@ -159,7 +159,7 @@ def test_gguf_from_another_model_is_refused(tiny_llama_path, tmp_path):
 
 
 def test_bad_quantization_names_are_refused():
-    from engine.config import EngineConfig
+    from genpool.engine.config import EngineConfig
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model="x", quantization="int3")
 
@@ -167,8 +167,8 @@ def test_bad_quantization_names_are_refused():
 def test_int8_engine_tracks_fp32_on_the_tiny_model(tiny_llama_path):
     """int8 at load: every linear weight int8 (the tied embedding shares the lm_head's table), and the
     last-position logits stay close to fp32's."""
-    from engine.models.loader import load_model
-    from kernels import get_backend
+    from genpool.engine.models.loader import load_model
+    from genpool.kernels import get_backend
     kern = get_backend("cpu")
     ref = load_model(tiny_llama_path, quantization="int8")  # the torch backend keeps the QTensors
     assert ref.model.embed_tokens.qweight is ref.lm_head.qweight
@@ -213,8 +213,8 @@ def test_a_tied_quantized_embedding_is_held_once_packed(quantization, tiny_llama
     copy of the QTensor it was packed from), and the looked-up rows are the QTensor's bits."""
     import shutil
 
-    from engine.models.loader import load_model
-    from kernels import get_backend
+    from genpool.engine.models.loader import load_model
+    from genpool.kernels import get_backend
     path = tiny_llama_path
     if quantization == "gguf":
         path = tmp_path / "tiny-gguf"
@@ -234,7 +234,7 @@ def test_a_tied_quantized_embedding_is_held_once_packed(quantization, tiny_llama
 @pytest.mark.parametrize("m", [1, 7, 150])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_qgemm_swiglu_is_silu_mul_of_the_product(m, kind, fp32_compute):
-    from kernels.cpu import silu_mul as cpu_silu_mul
+    from genpool.kernels.cpu import silu_mul as cpu_silu_mul
     inter, k = 2 * cpu_qgemm.panel_width() * 3, 96
     w = quantize_int8(torch.randn(2 * inter, k)) if kind == "int8" else _int4(2 * inter, k, 32)
     packed = cpu_qgemm.QPackedWeight(w)
@@ -247,8 +247,8 @@ def test_qgemm_swiglu_is_silu_mul_of_the_product(m, kind, fp32_compute):
 def test_the_decode_stack_takes_int8_weights_with_the_module_paths_bits(fixture, request):
     """The one-call decoder stack runs quantized layers (no fallback to the modules), and gives the
     bits the module path gives (tests/kernels/test_kernels_cpu_decode_layers.py's check)."""
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from genpool.engine.config import EngineConfig
+    from genpool.engine.model_runner import ModelRunner
     from tests.kernels.test_kernels_cpu_decode_layers import _decode_steps_match, _prefilled
     path = request.getfixturevalue(fixture)
     runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=32, quantization="int8"), path, 256)
@@ -289,11 +289,11 @@ def test_prompt_sized_products_stay_close_in_every_compute_mode(mode, monkeypatc
 
 _ISA_SCRIPT = r"""
 import sys, torch
-from kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import build as cpu_build
 cpu_build.CFLAGS[cpu_build.CFLAGS.index("-march=native")] = "-march=" + sys.argv[1]
-from kernels.cpu import gemm as cpu_gemm, qgemm as cpu_qgemm
-from kernels.qtensor import QTensor, pack_nibbles
-from engine.models.quant import quantize_int8
+from genpool.kernels.cpu import gemm as cpu_gemm, qgemm as cpu_qgemm
+from genpool.kernels.qtensor import QTensor, pack_nibbles
+from genpool.engine.models.quant import quantize_int8
 torch.manual_seed(0)
 print("panel", cpu_qgemm.panel_width(), cpu_gemm.panel_width())
 for m, n, k in [(1, 100, 64), (7, 48, 96), (60, 80, 64)]:
@@ -315,14 +315,14 @@ def test_avx2_and_portable_builds_give_the_same_bits(march, panel, tmp_path):
     import subprocess
     import sys
     env = dict(os.environ, GENPOOL_HOME=str(tmp_path), GENPOOL_QUANT_COMPUTE="fp32")
-    res = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, march], env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-P", "-c", _ISA_SCRIPT, march], env=env, capture_output=True, text=True,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"panel {panel} {panel}" in res.stdout and "ok" in res.stdout
 
 
 def test_bf16_engine_runs_quantized_weights_on_both_cpu_backends(tiny_llama_path):
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for backend in ("cpu", "torch"):
         llm = LLM(str(tiny_llama_path), dtype="bfloat16", num_kv_blocks=32, quantization="int8", kernel_backend=backend)

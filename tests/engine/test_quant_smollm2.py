@@ -8,8 +8,8 @@ and the last test here bounds."""
 from __future__ import annotations
 
 
-from engine import LLM, SamplingParams
-from engine.models.llama import Linear
+from genpool.engine import LLM, SamplingParams
+from genpool.engine.models.llama import Linear
 from tests.prompts import QUESTIONS, SHARED_QUESTIONS, SHARED_SYSTEM, chat_ids
 from tests.engine.test_engine_parity import MAX_TOKENS, assert_parity
 
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
 def test_native_q4_1_gives_the_fp32_unpacking_greedy_tokens(smollm2_path, monkeypatch):
-    from kernels.cpu import qgemm as cpu_qgemm
+    from genpool.kernels.cpu import qgemm as cpu_qgemm
     monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", "fp32")
     cpu_qgemm.compute_mode.cache_clear()
     llm = LLM(str(smollm2_path), dtype="float32", num_kv_blocks=512, quantization="gguf")

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (SampleRow, Sampler, apply_min_p, apply_presence_frequency,
+from genpool.engine.sampler import (SampleRow, Sampler, apply_min_p, apply_presence_frequency,
                             apply_repetition_penalty, apply_top_k, apply_top_p, make_generator)
-from engine.sampling_params import SamplingParams
+from genpool.engine.sampling_params import SamplingParams
 
 INF = float("inf")
 

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from engine.sampling_params import SamplingParams, SamplingType
+from genpool.engine.sampling_params import SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():

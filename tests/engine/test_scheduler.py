@@ -12,10 +12,10 @@ import random
 import zlib
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from genpool.engine.block_manager import BlockManager
+from genpool.engine.sampling_params import SamplingParams
+from genpool.engine.scheduler import SampledToken, Scheduler
+from genpool.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from benchmarks.records import make_cases, messages
-from engine import LLM, SamplingParams
+from genpool.engine import LLM, SamplingParams
 
 MAX_TOKENS = 200  # a complete record takes < 80 tokens
 
@@ -35,7 +35,7 @@ def assert_valid(text: str, schema: dict) -> None:
 
 def accepted_by(llm, so: dict, token_ids: list[int]) -> int:
     """How many of token_ids a fresh matcher of the same constraint accepts, in order."""
-    from engine.structured_params import StructuredOutputsParams
+    from genpool.engine.structured_params import StructuredOutputsParams
 
     fut = llm.llm_engine.structured.cache.get(StructuredOutputsParams.coerce(so))
     return fut.result(timeout=30).matcher.deep_copy().validate_tokens(token_ids)
@@ -103,7 +103,7 @@ def test_n_samples_stop_strings_and_max_tokens(llm):
 def test_preemption_and_prefix_cache_keep_matchers_in_step(llm):
     """A sequence preempted mid-output (blocks freed, tokens recomputed later, its prompt blocks
     back from the prefix cache) ends with the same valid record as without preemption."""
-    from engine.scheduler import SchedulerOutput
+    from genpool.engine.scheduler import SchedulerOutput
 
     eng = llm.llm_engine
     cases = make_cases(2, seed=21)
@@ -226,7 +226,7 @@ def test_pathological_regexes_compile_at_once_and_do_not_stall_other_jobs(llm):
         if comp.finish_reason == "stop":
             assert re.fullmatch(so["regex"], comp.text), (so, comp.text)
         _valid_prefix(llm, so, out)
-    from engine.structured_params import StructuredOutputsParams
+    from genpool.engine.structured_params import StructuredOutputsParams
     for rx in PATHOLOGICAL:
         res = eng.structured.cache.get(StructuredOutputsParams.coerce({"regex": rx})).result(timeout=30)
         assert res.error is None and res.compile_s < 5.0, (rx, res.compile_s, res.error)

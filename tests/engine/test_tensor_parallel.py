@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.models.llama import ModelArgs
-from engine.models.tp_linear import plan_shard
+from genpool.engine import SamplingParams
+from genpool.engine.config import EngineConfig
+from genpool.engine.models.llama import ModelArgs
+from genpool.engine.models.tp_linear import plan_shard
 from tests.pool_helpers import ROOT, wait_for
 from tests.tp_helpers import alive, child_pids, rank_pids, write_tiny
 
@@ -57,7 +57,7 @@ def test_unsupported_splits_say_why_and_what_works(heads, kv, inter, size, why):
 
 
 def test_config_and_engine_refuse_bad_sizes(tiny4):
-    from engine import LLM
+    from genpool.engine import LLM
 
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(model="x", tensor_parallel_size=0)
@@ -68,7 +68,7 @@ def test_config_and_engine_refuse_bad_sizes(tiny4):
 
 
 def test_a_start_that_fails_leaves_no_rank_behind(tiny4):
-    from engine import LLM
+    from genpool.engine import LLM
 
     with pytest.raises(ValueError, match="holds no"):
         LLM(str(tiny4), tensor_parallel_size=2, kv_cache_memory=1)  # after the ranks started
@@ -77,10 +77,36 @@ def test_a_start_that_fails_leaves_no_rank_behind(tiny4):
     llm.llm_engine.runner.close()
 
 
+def test_engines_close_and_a_second_one_starts(tiny4):
+    """LLM.close() and `with` stop the ranks and free the KV cache; an engine whose LLM was
+    deleted without close() no longer blocks the next one (one process group per process)."""
+    from genpool.engine import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny4), tensor_parallel_size=2, num_kv_blocks=8) as llm:
+        first = llm.generate(PROMPTS[:2], params)
+        assert rank_pids(os.getpid())
+    wait_for(lambda: not any(alive(p) for p in rank_pids(os.getpid())), timeout=10, what="ranks gone")
+    assert llm.llm_engine.runner.kv_caches == [] and llm.llm_engine.runner.model is None
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(PROMPTS[:1], params)
+    llm.close()  # idempotent
+    llm = LLM(str(tiny4), tensor_parallel_size=2, num_kv_blocks=8)
+    del llm  # never closed
+    llm = LLM(str(tiny4), tensor_parallel_size=2, num_kv_blocks=8)
+    try:
+        with pytest.raises(RuntimeError, match="already running.*LLM.close"):
+            LLM(str(tiny4), tensor_parallel_size=2, num_kv_blocks=8)  # while one is still referenced
+        again = llm.generate(PROMPTS[:2], params)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    finally:
+        llm.close()
+
+
 def test_cpu_kv_budget_is_the_workers_not_each_ranks(tiny4):
     """N ranks on one host hold kv_cache_memory in all: here each rank half the budget, half the
     KV heads, so as many blocks as one rank would have."""
-    from engine import LLM
+    from genpool.engine import LLM
 
     budget = 8 << 20
     per_block_one_rank = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 slots, 2 KV heads of 16 fp32
@@ -95,7 +121,7 @@ def test_cpu_kv_budget_is_the_workers_not_each_ranks(tiny4):
 
 
 def test_each_rank_loads_only_its_shard(tiny4):
-    from engine.models.tp_loader import load_shard
+    from genpool.engine.models.tp_loader import load_shard
 
     full = load_file(str(tiny4 / "model.safetensors"))
     total = sum(t.numel() for t in full.values())
@@ -122,7 +148,7 @@ PROMPTS = ["Hello there, how are", "The river stone lamp harbor", "Record 3: cop
 def test_parity_with_one_rank_batched_chunked_preempted(tiny4, size):
     """Greedy and seeded (n=2: copy-on-write block copies go through the broadcast too) requests,
     a 16-token step budget (chunked prefill) and a KV cache small enough to preempt."""
-    from engine import LLM
+    from genpool.engine import LLM
 
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 7 + [
         SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)]
@@ -138,7 +164,7 @@ def test_parity_with_one_rank_batched_chunked_preempted(tiny4, size):
         if runner.kern.name == "cpu":  # decode steps take the C stack (all-reduces called back from C)
             # where a rank's MLP columns are whole SwiGLU panels (N=2: 96; N=4: 48, whole panels of
             # AVX2's 16 columns but not of AVX-512's 32), else the module path
-            from kernels.cpu.gemm import panel_width
+            from genpool.kernels.cpu.gemm import panel_width
 
             whole = (192 // size) % panel_width() == 0
             assert (runner.decode_stack is not None) == whole
@@ -152,7 +178,7 @@ def test_parity_with_one_rank_batched_chunked_preempted(tiny4, size):
 
 KILL_SCRIPT = """
 import sys, time
-from engine import LLM
+from genpool.engine import LLM
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], num_kv_blocks=16, tensor_parallel_size=2)
     print("ready", flush=True)
@@ -164,7 +190,7 @@ def test_ranks_exit_when_rank_0_is_killed(tiny4, tmp_path):
     script = tmp_path / "tp_leader.py"
     script.write_text(KILL_SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), str(tiny4)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            stderr=subprocess.PIPE, env=dict(os.environ))
     children: list[int] = []
     try:
         assert proc.stdout.readline().strip() == b"ready"
@@ -189,7 +215,7 @@ def test_ranks_exit_when_rank_0_is_killed(tiny4, tmp_path):
 TRITON_SCRIPT = """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported here and in the spawned rank
-from engine import LLM, SamplingParams
+from genpool.engine import LLM, SamplingParams
 if __name__ == "__main__":
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompts = ["Hello there, how are", "The river stone lamp harbor"]
@@ -208,6 +234,6 @@ def test_triton_backend_per_rank(tiny4, tmp_path):
     script = tmp_path / "tp_triton.py"
     script.write_text(TRITON_SCRIPT)
     out = subprocess.run([sys.executable, str(script), str(tiny4)], cwd=ROOT, capture_output=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         env=dict(os.environ))
     assert out.returncode == 0, out.stderr.decode()[-3000:]
     assert out.stdout.decode().strip().splitlines()[-1] == "True"

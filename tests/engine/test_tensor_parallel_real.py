@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine import SamplingParams
+from genpool.engine import SamplingParams
 from tests.prompts import QUESTIONS, SHARED_QUESTIONS, SHARED_SYSTEM, chat_ids
 from tests.engine.test_engine_parity import assert_parity
 
@@ -32,7 +32,7 @@ def prompts(smollm2_path):
 @pytest.fixture(scope="module")
 def one_rank(smollm2_path, prompts):
     """N=1's greedy tokens (the engine is dropped before any N=3 engine loads: one model at a time)."""
-    from engine import LLM
+    from genpool.engine import LLM
 
     llm = LLM(str(smollm2_path), num_kv_blocks=512)
     want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
@@ -42,7 +42,7 @@ def one_rank(smollm2_path, prompts):
 
 
 def _run_tp3(path, prompts, **kw):
-    from engine import LLM
+    from genpool.engine import LLM
 
     llm = LLM(str(path), tensor_parallel_size=3, **kw)
     try:

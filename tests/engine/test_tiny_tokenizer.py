@@ -16,7 +16,7 @@ HOSTILE = ["", "Hi 世界 😀👍🏽 — ok", "z" * 20_000, "\x00\x01\x7f\t\r\
 
 @pytest.fixture(scope="module")
 def tok(tiny_tokenizer_path):
-    from engine.tokenizer import load_tokenizer
+    from genpool.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_tokenizer_path)
 
@@ -57,7 +57,7 @@ def test_every_byte_has_a_token(tok):
 
 
 def test_the_engine_loads_the_tiny_checkpoint_with_it(tiny_llama_path):
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama_path), num_kv_blocks=32)
     eng = llm.llm_engine

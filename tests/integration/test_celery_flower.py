@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from producer import Client
+from genpool.producer import Client
 from tests.pool_helpers import ROOT, drop_prefix, free_port, new_prefix, spawn_worker, wait_for
 from tests.worker.test_metrics import scrape, value
 
@@ -43,16 +43,16 @@ def flower_up(base: str) -> bool:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_long_path, redis_url, tmp_path_factory):
-    from workers.integrations.celery_app import make_app
+    from genpool.workers.integrations.celery_app import make_app
 
     logs = tmp_path_factory.mktemp("celery_flower")
     prefix = new_prefix("cf")
     names = {k: f"{k}-{prefix[-8:]}" for k in "ab"}
     ports = {k: free_port() for k in ("a", "b", "flower")}
-    env = dict(os.environ, GENPOOL_REDIS_URL=redis_url, PYTHONPATH=str(ROOT), **ENV)
+    env = dict(os.environ, GENPOOL_REDIS_URL=redis_url, **ENV)
     base = f"http://127.0.0.1:{ports['flower']}"
     flower = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers.integrations.celery_app", "flower",
+        [sys.executable, "-P", "-m", "celery", "-A", "genpool.workers.integrations.celery_app", "flower",
          f"--port={ports['flower']}", "--address=127.0.0.1"], cwd=ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=open(logs / "flower.log", "wb"))
     common = ("--num-threads", "1", "--heartbeat-s", "0.5", "--metrics-addr", "127.0.0.1",
@@ -101,12 +101,12 @@ def first_token(client: Client, job_id: str) -> None:
 
 def delay_in_subprocess(st, **kwargs) -> dict:
     """`generate.delay(...)` the way calling code does: configuration from the environment."""
-    code = ("import json, sys; from workers.integrations.celery_app import generate; "
+    code = ("import json, sys; from genpool.workers.integrations.celery_app import generate; "
             "r = generate.delay(**json.loads(sys.argv[1])); "
             "print(json.dumps(r.get(timeout=120)))")
     env = dict(os.environ, GENPOOL_REDIS_URL=st.url, GENPOOL_CELERY_QUEUE=st.prefix,
-               PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], cwd=ROOT, env=env,
+               )
+    out = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(kwargs)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

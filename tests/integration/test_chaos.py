@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from producer import Client
+from genpool.producer import Client
 from tests.chaos_helpers import pool_problems
 from tests.pool_helpers import drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for
 from tests.tiny_tokenizer import VOCAB_SIZE as VOCAB  # the tiny model's vocabulary
@@ -75,7 +75,7 @@ def random_prompt(rng: random.Random, limit: int) -> dict:
 
 
 def fuzz_engine(llm, n_requests: int, seed: int, limit: int) -> dict:
-    from engine import SamplingParams
+    from genpool.engine import SamplingParams
 
     eng, rng = llm.llm_engine, random.Random(seed)
     counts = {"tried": n_requests, "refused": 0, "finished": 0, "failed": 0}
@@ -106,7 +106,7 @@ def fuzz_engine(llm, n_requests: int, seed: int, limit: int) -> dict:
 
 
 def test_random_and_extreme_parameters_through_the_tiny_engine(tiny_llama_path):
-    from engine import LLM
+    from genpool.engine import LLM
 
     llm = LLM(str(tiny_llama_path), max_num_seqs=64, num_threads=1, max_model_len=256)
     counts = fuzz_engine(llm, 2000, SEED, 256)
@@ -116,7 +116,7 @@ def test_random_and_extreme_parameters_through_the_tiny_engine(tiny_llama_path):
 
 def test_extreme_in_bounds_parameters_on_the_real_model(smollm2_path):
     """Every in-bounds extreme on SmolLM2's real logits: nothing may go non-finite."""
-    from engine import LLM, SamplingParams
+    from genpool.engine import LLM, SamplingParams
 
     llm = LLM(str(smollm2_path), max_num_seqs=32, num_threads=2, max_model_len=512)
     rng = random.Random(SEED)
@@ -147,7 +147,7 @@ def own_port() -> int:
 
 @pytest.fixture
 def own_redis(tmp_path):
-    from workers.integrations import embedded
+    from genpool.workers.integrations import embedded
 
     server = embedded.start_server(port=own_port(), data_dir=tmp_path / "redis", fsync="always")
     holder = {"server": server}
@@ -291,7 +291,7 @@ def test_chaos_sigstop_past_the_claim_window(own_redis, tmp_path):
 
 
 def test_chaos_redis_restart(own_redis, tmp_path):
-    from workers.integrations import embedded
+    from genpool.workers.integrations import embedded
 
     def fault(pool, c):
         server = own_redis["server"]

@@ -8,7 +8,7 @@ from tests.pool_helpers import ROOT, drop_prefix, new_prefix
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workers.cli.main", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-P", "-m", "genpool.workers.cli.main", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from schemas import ErrorEvent, JobRequest, ResultEvent, Usage
-from workers.integrations.flower_events import CELERY_MARK, FlowerEvents, celery_hostname
-from workers.observe import Observers, WorkerObserver
+from genpool.schemas import ErrorEvent, JobRequest, ResultEvent, Usage
+from genpool.workers.integrations.flower_events import CELERY_MARK, FlowerEvents, celery_hostname
+from genpool.workers.observe import Observers, WorkerObserver
 
 
 class Recorder:
@@ -95,7 +95,7 @@ def test_heartbeats_follow_freq_and_only_when_asked():
 def test_events_are_kept_while_redis_is_down_and_sent_in_order_after(monkeypatch):
     rec = Recorder(fail=True)
     ev = FlowerEvents(lambda: rec, "genpool@w1")
-    monkeypatch.setattr("workers.integrations.flower_events.RETRY_AFTER_S", 0.0)
+    monkeypatch.setattr("genpool.workers.integrations.flower_events.RETRY_AFTER_S", 0.0)
     ev.job_received(verdict("j1"))
     ev.job_started(job("j1"))
     assert rec.sent == [] and len(ev._buffer) == 2

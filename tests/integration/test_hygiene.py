@@ -22,7 +22,7 @@ def test_leaks():
 def test_a_leaking_run_fails_and_is_cleaned_up(redis_url, tmp_path):
     (tmp_path / "test_probe.py").write_text(LEAKY)
     key = new_prefix("hyg")  # under this run's checked prefix (the probe run inherits the id)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PROBE_URL=redis_url, PROBE_KEY=key,
+    env = dict(os.environ, PROBE_URL=redis_url, PROBE_KEY=key,
                PROBE_PID=str(tmp_path / "pid"),
                GENPOOL_TEST_REDIS_URL=redis_url)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest",

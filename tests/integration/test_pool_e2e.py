@@ -13,8 +13,8 @@ import time
 import pytest
 import redis
 
-from producer import Client
-from schemas import parse_event
+from genpool.producer import Client
+from genpool.schemas import parse_event
 from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker,
                                 stop_proc, wait_for, workers_alive)
 
@@ -41,7 +41,7 @@ def job_spec(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_path):
-    from engine import LLM
+    from genpool.engine import LLM
 
     return LLM(str(tiny_llama_path), max_num_seqs=32, num_threads=1)
 
@@ -83,7 +83,7 @@ def any_url(request) -> str:
 
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2_path):
-    from engine import LLM
+    from genpool.engine import LLM
 
     return LLM(str(smollm2_path), max_num_seqs=32, num_threads=1)
 
@@ -156,7 +156,7 @@ def test_sigkill_with_20_in_flight(any_url, pool, tiny_llama_path, tiny_llm):
 
 
 def test_redis_restart_mid_run(pool, tiny_llama_path, tiny_llm, tmp_path):
-    from workers.integrations import embedded
+    from genpool.workers.integrations import embedded
 
     server = embedded.start_server(data_dir=tmp_path / "redis", fsync="always")
     prefix, start = pool

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import Client
+from genpool.producer import Client
 from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker,
                                 stop_proc, wait_for, workers_alive)
 
@@ -85,7 +85,7 @@ def hostile_pool(redis_url, tiny_llama_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_llm_module(tiny_llama_path):
-    from engine import LLM
+    from genpool.engine import LLM
 
     return LLM(str(tiny_llama_path), max_num_seqs=16, num_threads=1)
 

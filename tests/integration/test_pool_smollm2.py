@@ -1,12 +1,12 @@
 """Real-model parity through the pool: SmolLM2-135M in a worker process vs the offline engine."""
 from __future__ import annotations
 
-from producer import Client
+from genpool.producer import Client
 from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker,
                                 stop_proc, wait_for, workers_alive)
 
 def test_smollm2_through_redis_matches_offline(redis_url, smollm2_path, tmp_path):
-    from engine import LLM
+    from genpool.engine import LLM
 
     prefix = new_prefix("smol")
     proc = spawn_worker(redis_url, prefix, "smollm2-135m", "smol", "--max-num-seqs", "8",

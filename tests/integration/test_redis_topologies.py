@@ -10,12 +10,12 @@ from collections import Counter
 
 import pytest
 
-from producer import Client
-from schemas.connection import connect, is_cluster, mask, parse
-from schemas import Keys, parse_event
+from genpool.producer import Client
+from genpool.schemas.connection import connect, is_cluster, mask, parse
+from genpool.schemas import Keys, parse_event
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import drop_prefix, new_prefix, wait_for, worker_thread
-from workers.streams import lane_budgets, publish_shards
+from genpool.workers.streams import lane_budgets, publish_shards
 
 
 def test_url_forms():
@@ -147,7 +147,7 @@ def test_sentinel_failover_mid_run_every_job_one_result(redis_sentinel):
 
 
 def test_celery_settings_for_each_topology(monkeypatch):
-    from workers.integrations.celery_app import ENV_BROKER, celery_redis
+    from genpool.workers.integrations.celery_app import ENV_BROKER, celery_redis
 
     monkeypatch.delenv(ENV_BROKER, raising=False)
     assert celery_redis("redis://h:1/2") == {"broker_url": "redis://h:1/2",
@@ -164,7 +164,7 @@ def test_celery_settings_for_each_topology(monkeypatch):
 
 def test_celery_reaches_the_master_through_sentinel(redis_sentinel):
     """kombu, configured by celery_redis(), finds the master through the sentinels."""
-    from workers.integrations.celery_app import make_app
+    from genpool.workers.integrations.celery_app import make_app
 
     app = make_app(redis_sentinel.url, queue=new_prefix("q"))
     with app.connection_for_write() as conn:
@@ -184,9 +184,9 @@ def test_every_front_door_through_sentinel(redis_sentinel, tmp_path):
 
     import openai
 
-    from producer import AsyncClient
-    from producer.batch import run_batch
-    from producer.gateway import create_app
+    from genpool.producer import AsyncClient
+    from genpool.producer.batch import run_batch
+    from genpool.producer.gateway import create_app
     from tests.producer.test_gateway import serve_in_thread
 
     url, prefix = redis_sentinel.url, new_prefix("front")
@@ -261,7 +261,7 @@ def test_dead_commands_on_each_topology(topology_url):
 def test_cluster_dead_retry_cut_off_before_the_xdel_runs_again_once(cluster_url, monkeypatch):
     """A cluster retry is one-slot steps with the dead letter deleted last: one cut off there and
     run again deletes the letter without enqueueing the job a second time."""
-    from producer.dead import retry_dead
+    from genpool.producer.dead import retry_dead
 
     url, prefix = cluster_url, new_prefix("deadcut")
     c = Client(url, prefix)
@@ -294,7 +294,7 @@ def test_cluster_dead_retry_cut_off_before_the_xdel_runs_again_once(cluster_url,
 
 def _terminals(c: Client, job_id: str) -> list[str]:
     """Every terminal event type in a job's stored event stream."""
-    from schemas import TERMINAL
+    from genpool.schemas import TERMINAL
 
     return [t for t in (parse_event(f["event"]).type for _, f in
                         c.redis.xrange(c.keys.events(job_id))) if t in TERMINAL]
@@ -314,7 +314,7 @@ def test_sentinel_failover_async_readers_stream_through_it(redis_sentinel):
     once and ends on one terminal event, which is the only one its stream holds."""
     import asyncio
 
-    from producer import AsyncClient
+    from genpool.producer import AsyncClient
 
     url, prefix = redis_sentinel.url, new_prefix("asent")
     c = Client(url, prefix)
@@ -362,7 +362,7 @@ def test_sentinel_failover_batch_runner_finishes_its_file(redis_sentinel, tmp_pa
     every line of its file exactly once, each with the right text."""
     import json
 
-    from producer.batch import run_batch
+    from genpool.producer.batch import run_batch
 
     url, prefix = redis_sentinel.url, new_prefix("bsent")
     c = Client(url, prefix)
@@ -448,7 +448,7 @@ def test_an_unreachable_cluster_is_a_lost_connection():
 
     import redis
 
-    from schemas.connection import ClusterUnreachable, connect_async
+    from genpool.schemas.connection import ClusterUnreachable, connect_async
 
     async def main():
         r = connect_async("redis+cluster://127.0.0.1:1")

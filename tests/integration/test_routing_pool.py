@@ -14,9 +14,9 @@ import time
 import pytest
 import redis
 
-from producer import Client
-from producer.status import format_status
-from schemas import parse_event
+from genpool.producer import Client
+from genpool.producer.status import format_status
+from genpool.schemas import parse_event
 from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker,
                                 stop_proc, wait_for, workers_alive)
 
@@ -43,7 +43,7 @@ def ran_on(c: Client, job_id: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_path):
-    from engine import LLM
+    from genpool.engine import LLM
 
     return LLM(str(tiny_llama_path), max_num_seqs=16, num_threads=1)
 

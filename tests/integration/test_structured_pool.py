@@ -16,11 +16,11 @@ import openai
 import pydantic
 import pytest
 
-from producer import Client
-from producer.batch import run_batch
-from producer.protocol import submit_args
-from schemas import JobRequest
-from schemas.request import new_job_id
+from genpool.producer import Client
+from genpool.producer.batch import run_batch
+from genpool.producer.protocol import submit_args
+from genpool.schemas import JobRequest
+from genpool.schemas.request import new_job_id
 from tests.pool_helpers import (ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for,
                                 workers_alive)
 from tests.producer.test_gateway import answers, free_port
@@ -51,7 +51,7 @@ def pool(redis_url, smollm2_path, tmp_path_factory):
                           "--served-model-name", "smol", "--num-threads", "2", "--celery",
                           "--celery-queue", prefix, "--celery-concurrency", "4",
                           log_path=logs / "worker.log")
-    gw = subprocess.Popen([sys.executable, "-m", "workers.cli.main", "gateway", "--port", str(port),
+    gw = subprocess.Popen([sys.executable, "-P", "-m", "genpool.workers.cli.main", "gateway", "--port", str(port),
                            "--redis", redis_url, "--prefix", prefix, "--log-level", "warning"],
                           cwd=ROOT, stderr=open(logs / "gateway.log", "wb"))
     base = f"http://127.0.0.1:{port}"
@@ -127,14 +127,14 @@ def test_worker_reports_bad_constraints_on_the_stream_and_keeps_serving(pool):
 def test_cli_submit_json_schema(pool, tmp_path):
     path = tmp_path / "person.json"
     path.write_text(json.dumps(PERSON))
-    out = subprocess.run([sys.executable, "-m", "workers.cli.main", "submit", DOC, "--chat",
+    out = subprocess.run([sys.executable, "-P", "-m", "genpool.workers.cli.main", "submit", DOC, "--chat",
                           "--json-schema", str(path), "--temperature", "0", "--max-tokens", "120",
                           "--json", "--redis", pool["url"], "--prefix", pool["prefix"]],
                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     jsonschema.validate(json.loads(json.loads(out.stdout)["text"]), PERSON)
     path.write_text("{not json")
-    bad = subprocess.run([sys.executable, "-m", "workers.cli.main", "submit", DOC, "--json-schema",
+    bad = subprocess.run([sys.executable, "-P", "-m", "genpool.workers.cli.main", "submit", DOC, "--json-schema",
                           str(path), "--redis", pool["url"], "--prefix", pool["prefix"]],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--json-schema" in bad.stderr
@@ -221,7 +221,7 @@ def test_batch_lines_and_celery_task(pool, tmp_path):
         jsonschema.validate(json.loads(content), PERSON)
     assert "unclosed group" in got["bad"]["error"]["message"]
 
-    from workers.integrations.celery_app import make_app
+    from genpool.workers.integrations.celery_app import make_app
 
     caller = make_app(pool["url"], pool["prefix"])
     task = caller.send_task("genpool.generate", kwargs=dict(

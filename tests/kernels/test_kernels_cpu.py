@@ -10,8 +10,8 @@ output within a few fp32 ulp (another summation order for the mean square); SwiG
 import pytest
 import torch
 
-from kernels import get_backend, ref
-from kernels.cpu import build as cpu_build, decode_attention as cpu_decode_attention, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, rms_norm as cpu_rms_norm, rotary as cpu_rotary, silu_mul as cpu_silu_mul, write_kv as cpu_write_kv
+from genpool.kernels import get_backend, ref
+from genpool.kernels.cpu import build as cpu_build, decode_attention as cpu_decode_attention, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, rms_norm as cpu_rms_norm, rotary as cpu_rotary, silu_mul as cpu_silu_mul, write_kv as cpu_write_kv
 from tests.kv_cases import make_case
 
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from kernels.cpu import decode_layers as cpu_decode_layers
+from genpool.engine.config import EngineConfig
+from genpool.engine.model_runner import ModelRunner
+from genpool.kernels.cpu import decode_layers as cpu_decode_layers
 
 pytestmark = pytest.mark.skipif(not cpu_decode_layers.available(), reason="no C compiler for the CPU kernels")
 

@@ -10,9 +10,9 @@ import stat
 import pytest
 import torch
 
-from engine.models.llama import Linear
-from kernels import get_backend, ref
-from kernels.cpu import backend as cpu_backend, build as cpu_build, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, silu_mul as cpu_silu_mul
+from genpool.engine.models.llama import Linear
+from genpool.kernels import get_backend, ref
+from genpool.kernels.cpu import backend as cpu_backend, build as cpu_build, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, silu_mul as cpu_silu_mul
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler here")
 

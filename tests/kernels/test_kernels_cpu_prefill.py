@@ -8,8 +8,8 @@ call with other rows between them (which must be left alone). fp32 within 2e-5 o
 import pytest
 import torch
 
-from kernels import get_backend, ref
-from kernels.cpu import prefill_attention as cpu_prefill_attention
+from genpool.kernels import get_backend, ref
+from genpool.kernels.cpu import prefill_attention as cpu_prefill_attention
 from tests.kv_cases import make_case
 
 pytestmark = pytest.mark.skipif(not cpu_prefill_attention.available(), reason="no C compiler here")

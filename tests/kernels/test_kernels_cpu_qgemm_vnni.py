@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.quant import quantize_int8
-from kernels.cpu import qgemm as cpu_qgemm
-from kernels.qtensor import QTensor, pack_nibbles
+from genpool.engine.models.quant import quantize_int8
+from genpool.kernels.cpu import qgemm as cpu_qgemm
+from genpool.kernels.qtensor import QTensor, pack_nibbles
 from tests.engine.test_quant import _int4
 
 pytestmark = pytest.mark.skipif(not (cpu_qgemm.available() and cpu_qgemm.vnni_available()),
@@ -103,7 +103,7 @@ def test_zero_and_empty_inputs():
 @pytest.mark.parametrize("m", [1, 7, 150])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_vnni_swiglu_is_silu_mul_of_the_product(m, kind):
-    from kernels.cpu import silu_mul as cpu_silu_mul
+    from genpool.kernels.cpu import silu_mul as cpu_silu_mul
     _needs(kind)
     inter, k = 2 * cpu_qgemm.VNNI_PANEL * 3, 96
     w = _weight(kind, 2 * inter, k)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.cpu import token_mask
+from genpool.kernels.cpu import token_mask
 
 pytestmark = pytest.mark.skipif(token_mask._kernel() is None, reason="no C compiler here")
 

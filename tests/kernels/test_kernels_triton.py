@@ -19,12 +19,12 @@ from tests.triton_interp import DEVICE  # noqa: I001 (first: sets TRITON_INTERPR
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import ref  # noqa: E402
-from kernels.triton.backend import build_backend  # noqa: E402
-from kernels.triton.kv_write import write_kv  # noqa: E402
-from kernels.triton.paged_attention import paged_attention  # noqa: E402
-from kernels.triton.rms_norm import rms_norm  # noqa: E402
-from kernels.triton.rotary import rotary  # noqa: E402
+from genpool.kernels import ref  # noqa: E402
+from genpool.kernels.triton.backend import build_backend  # noqa: E402
+from genpool.kernels.triton.kv_write import write_kv  # noqa: E402
+from genpool.kernels.triton.paged_attention import paged_attention  # noqa: E402
+from genpool.kernels.triton.rms_norm import rms_norm  # noqa: E402
+from genpool.kernels.triton.rotary import rotary  # noqa: E402
 
 TOL = {
     torch.float32: (2e-5, 2e-5),

@@ -13,8 +13,8 @@ if importlib.util.find_spec("triton") is None:
 
 import torch  # noqa: E402
 
-from engine.models.quant import quantize_int8  # noqa: E402
-from kernels.qtensor import QTensor, pack_nibbles  # noqa: E402
+from genpool.engine.models.quant import quantize_int8  # noqa: E402
+from genpool.kernels.qtensor import QTensor, pack_nibbles  # noqa: E402
 
 if DEVICE.startswith("cuda") and not torch.cuda.is_available():
     pytest.skip(f"GENPOOL_TEST_DEVICE={DEVICE} but CUDA is not available", allow_module_level=True)
@@ -23,7 +23,7 @@ if DEVICE.startswith("cuda") and not torch.cuda.is_available():
 def _module():
     import importlib
     import sys
-    name = "kernels.triton.qgemm"
+    name = "genpool.kernels.triton.qgemm"
     if name in sys.modules:  # imported earlier without the interpreter flag: re-run its decorators
         return importlib.reload(sys.modules[name])
     return importlib.import_module(name)

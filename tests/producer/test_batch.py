@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from producer.batch import Output, job_id_for, parse_line
-from schemas.connection import connect
+from genpool.producer.batch import Output, job_id_for, parse_line
+from genpool.schemas.connection import connect
 from tests.pool_helpers import (ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for,
                                 workers_alive)
 
@@ -59,7 +59,7 @@ def write_input(path) -> None:
 
 
 def batch_cmd(url: str, prefix: str, inp, out) -> list[str]:
-    return [sys.executable, "-m", "workers.cli.main", "batch", str(inp), "-o", str(out),
+    return [sys.executable, "-P", "-m", "genpool.workers.cli.main", "batch", str(inp), "-o", str(out),
             "--redis", url, "--prefix", prefix, "--max-in-flight", "8"]
 
 
@@ -76,7 +76,7 @@ def test_batch_killed_midway_and_resumed(topology_url, tiny_llama_path, tmp_path
     # sometimes answered everything submitted before the kill: 1 run in 3)
     worker = spawn_worker(redis_url, prefix, tiny_llama_path, "bw", "--max-num-seqs", "2",
                           "--num-threads", "1", log_path=tmp_path / "worker.log")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     r = connect(redis_url, decode_responses=True)
     try:
         wait_for(lambda: workers_alive(redis_url, prefix) or worker.poll() is not None, 240,
@@ -168,7 +168,7 @@ def test_output_cuts_partial_line_and_knows_done_ids(tmp_path):
 def test_a_repeated_custom_id_is_reported_even_after_the_first_finished(tmp_path):
     """Invalid lines finish at once, so the repeat arrives after its first copy is in the output;
     it must still be reported and counted as skipped, not dropped as if an earlier run did it."""
-    from producer.batch import BatchRun
+    from genpool.producer.batch import BatchRun
 
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     line = json.dumps({"custom_id": "dup", **INVALID["bad-temp"][0]})

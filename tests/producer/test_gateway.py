@@ -16,8 +16,8 @@ import openai
 import pytest
 import redis
 
-from producer import Client
-from schemas.connection import connect
+from genpool.producer import Client
+from genpool.schemas.connection import connect
 from tests.conftest import TOPOLOGIES
 from tests.pool_helpers import (ROOT, drop_prefix, free_port, http_ok, new_prefix, spawn_worker, stop_proc,
                                 wait_for, workers_alive)
@@ -40,7 +40,7 @@ def pool(request, tiny_llama_long_path, tmp_path_factory):
     worker = spawn_worker(redis_url, prefix, tiny_llama_long_path, "gw-w", "--max-num-seqs", "8",
                           "--served-model-name", "tiny", "--num-threads", "1",
                           log_path=logs / "worker.log")
-    gw = subprocess.Popen([sys.executable, "-m", "workers.cli.main", "gateway", "--port", str(port),
+    gw = subprocess.Popen([sys.executable, "-P", "-m", "genpool.workers.cli.main", "gateway", "--port", str(port),
                            "--redis", redis_url, "--prefix", prefix, "--api-key", KEY,
                            "--log-level", "warning"], cwd=ROOT,
                           stderr=open(logs / "gateway.log", "wb"))
@@ -202,7 +202,7 @@ def test_a_task_that_swallows_its_cancellation_is_cancelled_again():
     the disconnected client's job is never cancelled."""
     import asyncio
 
-    from producer.gateway_io import stop_task
+    from genpool.producer.gateway_io import stop_task
 
     async def stubborn(log):
         for _ in range(2):  # survives two cancellations, like a swallowed one
@@ -260,7 +260,7 @@ def serve_in_thread(app):
 @pytest.fixture
 def thread_gateway(redis_url):
     """A gateway on a prefix that no worker serves, so its queue only grows."""
-    from producer.gateway import create_app
+    from genpool.producer.gateway import create_app
 
     prefix = new_prefix("gw429")
     with serve_in_thread(create_app(redis_url, prefix, max_queue_depth=2)) as base:
@@ -269,7 +269,7 @@ def thread_gateway(redis_url):
 
 
 def test_redis_down_is_503():
-    from producer.gateway import create_app
+    from genpool.producer.gateway import create_app
 
     with serve_in_thread(create_app("redis://127.0.0.1:1/0", "nowhere")) as base:
         r = httpx.get(f"{base}/v1/models", timeout=30)
@@ -292,7 +292,7 @@ def test_queue_deeper_than_bound_gets_429(thread_gateway, redis_url):
 
 def test_smollm2_streamed_equals_non_streamed(redis_url, smollm2_path, tmp_path):
     """The real model: the same greedy chat request, streamed and not, gives the same text."""
-    from producer.gateway import create_app
+    from genpool.producer.gateway import create_app
 
     prefix = new_prefix("gwsmol")
     worker = spawn_worker(redis_url, prefix, "smollm2-135m", "gw-smol", "--max-num-seqs", "4",
@@ -321,10 +321,10 @@ def test_a_stream_cut_by_a_lost_queue_ends_with_an_error_chunk(tmp_path):
     import socket
     import time
 
-    from producer.gateway import create_app
+    from genpool.producer.gateway import create_app
     from tests.fake_engine import FakeEngine
     from tests.pool_helpers import worker_thread
-    from workers.integrations import embedded
+    from genpool.workers.integrations import embedded
 
     port = next(p for p in range(7300, 7400) if socket.socket().connect_ex(("127.0.0.1", p)))
     server = embedded.start_server(port=port, data_dir=tmp_path / "redis")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer import Client
-from producer.pipeline import map_prompts
+from genpool.producer import Client
+from genpool.producer.pipeline import map_prompts
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import drop_prefix, new_prefix, worker_thread
 

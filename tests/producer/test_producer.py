@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from producer import AsyncClient, Client
-from schemas.connection import connect
-from producer.replay import Replay
-from schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent
+from genpool.producer import AsyncClient, Client
+from genpool.schemas.connection import connect
+from genpool.producer.replay import Replay
+from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent
 from tests.pool_helpers import drop_prefix, new_prefix
 
 
@@ -155,7 +155,7 @@ def test_waiting_for_events_stops_on_one_cancel(redis_url, monkeypatch):
     """redis-py's asyncio client swallowed about 1 in 8 cancels that landed 0.5-1.5 ms into an XREAD
     BLOCK; a job's event reader must still stop on the first cancel, wherever it lands: at its next
     read at the latest (reads block 200 ms here instead of 5 s)."""
-    from producer import protocol
+    from genpool.producer import protocol
 
     monkeypatch.setattr(protocol, "READ_BLOCK_MS", 200)
     prefix = new_prefix("aiocancel")

@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from schemas import (ErrorEvent, JobRequest, JobResult, Keys, RestartEvent, ResultEvent,
+from genpool.schemas import (ErrorEvent, JobRequest, JobResult, Keys, RestartEvent, ResultEvent,
                      TokenEvent, describe_validation_error, lane_for, parse_event, parse_request)
 from tests.pool_helpers import ROOT
 
@@ -47,7 +47,7 @@ def test_keys_hash_slots_for_redis_cluster():
     assert len(set().union(*shard_slots)) == 4  # shards: different slots
     assert len(k.all_jobs()) == 12 and len(set(k.all_jobs())) == 12
     # every shard is used, and a job id always maps to the same one
-    from schemas.keys import shard_for
+    from genpool.schemas.keys import shard_for
     assert {shard_for(f"job-{i}", 4) for i in range(100)} == {0, 1, 2, 3}
     assert k.submit_stream("x", "high") == k.submit_stream("x", "high")
     assert Keys("gp").submit_stream("x", "high") == Keys("gp").jobs("high")
@@ -86,7 +86,7 @@ def test_precise_messages():
 
 
 def test_defaults_match_engine_sampling_params():
-    from engine import SamplingParams
+    from genpool.engine import SamplingParams
 
     req = JobRequest(prompt="x", stop="END", seed=3, logprobs=2)
     sp = SamplingParams(**req.sampling_kwargs())
@@ -117,6 +117,6 @@ def test_events_round_trip():
 
 
 def test_producer_and_schemas_import_without_torch():
-    code = ("import sys; import producer, schemas, producer.cli, producer.aio; "
+    code = ("import sys; import genpool.producer, genpool.schemas, genpool.producer.cli, genpool.producer.aio; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-P", "-c", code], cwd=ROOT, check=True)

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import redis
 
-from schemas import Keys
+from genpool.schemas import Keys
 
-from producer.openai_format import scrub_paths
+from genpool.producer.openai_format import scrub_paths
 from tests.pool_helpers import ROOT, drop_prefix, free_port, http_ok, new_prefix, stop_proc, wait_for
 
 KEY = "sk-secure-test"
@@ -28,7 +28,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def gateway(redis_url, tmp_path_factory):
     prefix, port = new_prefix("sec"), free_port()
     log = tmp_path_factory.mktemp("sec") / "gateway.log"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli.main", "gateway", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "genpool.workers.cli.main", "gateway", "--port", str(port),
                              "--redis", redis_url, "--prefix", prefix, "--api-key", KEY,
                              "--priority", "-1", "--log-level", "warning"], cwd=ROOT,
                             stderr=open(log, "wb"))
@@ -118,8 +118,8 @@ def listening_addresses(port: int) -> set[str]:
 def test_flower_and_metrics_listen_on_loopback_by_default(redis_url, tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWER_")}
-    env.update(GENPOOL_REDIS_URL=redis_url, PYTHONPATH=str(ROOT))
-    flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "workers.integrations.celery_app",
+    env.update(GENPOOL_REDIS_URL=redis_url)
+    flower = subprocess.Popen([sys.executable, "-P", "-m", "celery", "-A", "genpool.workers.integrations.celery_app",
                                "flower", f"--port={port}"], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "f.log", "wb"))
     try:
@@ -127,7 +127,7 @@ def test_flower_and_metrics_listen_on_loopback_by_default(redis_url, tmp_path):
         assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1 only
     finally:
         stop_proc(flower, 10)
-    from workers.integrations.metrics import MetricsObserver
+    from genpool.workers.integrations.metrics import MetricsObserver
 
     obs = MetricsObserver("m")
     server = obs.serve(0)

@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from producer import Client, JobFailed, NoWorkers, QueueUnavailable
+from genpool.producer import Client, JobFailed, NoWorkers, QueueUnavailable
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import ROOT, client_env, free_port, new_prefix, wait_for, worker_thread
 
@@ -29,10 +29,10 @@ def env(redis_url):
 def genpool(*args: str, stdin: str | None = None, timeout: float = 60, pre: str = "",
             env: dict | None = None) -> subprocess.CompletedProcess:
     """`genpool ARGS` in a child process; `pre` is Python run first (e.g. hiding a module)."""
-    code = f"{pre}\nimport sys\nfrom workers.cli.main import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, input=stdin,
+    code = f"{pre}\nimport sys\nfrom genpool.workers.cli.main import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-P", "-c", code, *args], cwd=ROOT, input=stdin,
                           capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+                          env=dict(os.environ, **(env or {})))
 
 
 # -- silent waits ---------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_dead_commands(env):
 
 # -- gateway: no silent waits, one model entry ----------------------------------------------------
 def _gateway(url, prefix, **kw):
-    from producer.gateway import create_app
+    from genpool.producer.gateway import create_app
     from tests.producer.test_gateway import serve_in_thread
 
     return serve_in_thread(create_app(url, prefix, **kw))

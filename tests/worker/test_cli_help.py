@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from engine.config import EngineConfig
-from workers.cli.main import COMMANDS, build_parser
-from workers.worker_config import WorkerConfig
+from genpool.engine.config import EngineConfig
+from genpool.workers.cli.main import COMMANDS, build_parser
+from genpool.workers.worker_config import WorkerConfig
 
 
 def walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("genpool",)):

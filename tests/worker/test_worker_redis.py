@@ -5,9 +5,9 @@ import json
 import time
 
 import pytest
-from producer import Client
-from schemas.connection import connect
-from schemas import parse_event
+from genpool.producer import Client
+from genpool.schemas.connection import connect
+from genpool.schemas import parse_event
 from tests.fake_engine import FakeEngine, expected_for_prompt, expected_text
 from tests.pool_helpers import client_env, wait_for, worker_thread
 
@@ -122,7 +122,7 @@ def test_hostile_entries(env):
 
 def _ghost_take(c: Client, n_times: int = 1) -> list:
     """Deliver everything queued to a consumer that then 'dies' (never acks)."""
-    from workers.streams import ensure_groups
+    from genpool.workers.streams import ensure_groups
 
     ensure_groups(c.redis, c.keys)
     got = c.redis.xreadgroup(c.keys.group, "ghost", {c.keys.jobs("normal"): ">"}, count=100)
@@ -193,7 +193,7 @@ def test_a_connection_lost_at_the_solo_mark_strands_no_job(env, monkeypatch):
     alone; Redis lost at that call used to leave it in no queue while its lease was renewed
     and its entry kept fresh: never run, never reclaimed (found by a hostile outage run)."""
     import redis
-    from workers.lease import LeaseKeeper
+    from genpool.workers.lease import LeaseKeeper
 
     url, prefix, c = env
     real, hit = LeaseKeeper.call, []
@@ -219,7 +219,7 @@ def test_a_reply_lost_while_draining_duplicates_no_tokens(env, monkeypatch):
     worker is draining with nothing left in flight: the resend must come as a restart and a
     replay (readers' text equals the result), not as the same tokens a second time."""
     import redis
-    from workers.outbox import Outbox
+    from genpool.workers.outbox import Outbox
 
     url, prefix, c = env
     real, sent = Outbox.send, []
@@ -246,7 +246,7 @@ def test_an_error_reply_to_a_renewal_is_no_lost_lease():
     run saw 8 leases dropped as 'lost' while the cluster was down); an error in its place says
     nothing about the lease."""
     import redis
-    from workers.lease import lease_outcomes
+    from genpool.workers.lease import lease_outcomes
 
     errors = [redis.exceptions.ClusterDownError("The cluster is down"),
               redis.exceptions.TryAgainError("TRYAGAIN"),
@@ -299,7 +299,7 @@ def test_a_clobbered_job_hash_fails_that_job_alone(env):
 def test_reclaim_finds_an_idle_entry_behind_a_long_pending_list(env):
     """A full worker asks for one or two entries; the dead peer's entry may sit behind
     hundreds of live ones in the pending list (one XAUTOCLAIM scans only 10 x count)."""
-    from workers.streams import ensure_groups, reclaim
+    from genpool.workers.streams import ensure_groups, reclaim
 
     url, prefix, c = env
     ensure_groups(c.redis, c.keys)

@@ -15,8 +15,8 @@ import time
 import uuid
 from pathlib import Path
 
-from schemas.config import HELP_FMT, add_connection_args
-from schemas.connection import delete_prefix
+from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.connection import delete_prefix
 
 
 def register(sub) -> None:
@@ -61,12 +61,11 @@ class Sentences:
 
 
 def _start_worker(model: Path, url: str, prefix: str, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "workers.cli.main", "worker", "--model", str(model), "--redis", url,
+    # -P: the working directory (often the checkout, whose engine/ kernels/ ... folders are
+    # genpool.* only) must not shadow other distributions' top-level `kernels` and the like
+    cmd = [sys.executable, "-P", "-m", "genpool.workers.cli.main", "worker", "--model", str(model), "--redis", url,
            "--prefix", prefix, "--name", f"demo-{os.getpid()}", "--max-num-seqs", "8"]
-    root = Path(__file__).resolve().parents[2]  # the checkout holding workers/
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root),
-                                                                   os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"), env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
 
 
 def _wait_ready(client, proc: subprocess.Popen, log_path: Path, timeout: float = 600) -> None:
@@ -82,11 +81,11 @@ def _wait_ready(client, proc: subprocess.Popen, log_path: Path, timeout: float =
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from engine.models.registry import is_pulled, lookup, resolve_model
-    from producer import Client
-    from schemas.config import genpool_home
+    from genpool.engine.models.registry import is_pulled, lookup, resolve_model
+    from genpool.producer import Client
+    from genpool.schemas.config import genpool_home
 
-    from workers.integrations.embedded import ensure_redis
+    from genpool.workers.integrations.embedded import ensure_redis
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     url, server = ensure_redis(a.redis)
@@ -116,7 +115,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 def _stream_summary(client, max_tokens: int) -> int:
     """Submit the summary job, print its sentences as they complete, then its timings."""
-    from workers.cli.demo_doc import DOCUMENT, TITLE
+    from genpool.workers.cli.demo_doc import DOCUMENT, TITLE
 
     print(f"\nSummary of \"{TITLE}\":\n", file=sys.stderr)
     job = client.submit(messages=[{"role": "user", "content": "Summarize this document in "

@@ -14,15 +14,15 @@ import os
 import sys
 
 COMMANDS: dict[str, str] = {
-    "models": "workers.cli.models:register",
-    "submit": "producer.cli:register_submit",
-    "status": "producer.cli:register_status",
-    "job": "producer.cli_jobs:register_job",
-    "dead": "producer.cli_jobs:register_dead",
-    "worker": "workers.cli.worker:register_worker",
-    "demo": "workers.cli.demo:register",
-    "batch": "producer.cli_bulk:register_batch",
-    "gateway": "producer.cli_bulk:register_gateway",
+    "models": "genpool.workers.cli.models:register",
+    "submit": "genpool.producer.cli:register_submit",
+    "status": "genpool.producer.cli:register_status",
+    "job": "genpool.producer.cli_jobs:register_job",
+    "dead": "genpool.producer.cli_jobs:register_dead",
+    "worker": "genpool.workers.cli.worker:register_worker",
+    "demo": "genpool.workers.cli.demo:register",
+    "batch": "genpool.producer.cli_bulk:register_batch",
+    "gateway": "genpool.producer.cli_bulk:register_gateway",
 }
 
 # One line per command for `genpool --help`, which imports no command module.
@@ -98,7 +98,7 @@ def explain(name: str, args: argparse.Namespace, err: BaseException) -> tuple[st
     if isinstance(err, ImportError):
         return missing_extra(err), 2
     if isinstance(err, (redis.ConnectionError, redis.TimeoutError)):
-        from schemas.config import redis_url
+        from genpool.schemas.config import redis_url
 
         url = getattr(err, "url", None) or redis_url(getattr(args, "redis", None))
         return (f"cannot reach Redis at {url} ({err}). Start Redis, or point genpool at one with "

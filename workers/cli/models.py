@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from schemas.config import HELP_FMT
+from genpool.schemas.config import HELP_FMT
 
 
 def register(sub) -> None:
@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def cmd_pull(args) -> int:
-    from engine.models import registry
+    from genpool.engine.models import registry
 
     try:
         path = registry.pull(args.name, force=args.force)
@@ -40,7 +40,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from engine.models import registry
+    from genpool.engine.models import registry
 
     for name in registry.known_names():
         spec = registry.REGISTRY[name]
@@ -51,7 +51,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_path(args) -> int:
-    from engine.models import registry
+    from genpool.engine.models import registry
 
     try:
         print(registry.resolve_model(args.name, download=False))

@@ -8,18 +8,18 @@ import os
 import sys
 from pathlib import Path
 
-from engine.config_args import add_dataclass_args, dataclass_kwargs
-from schemas.config import HELP_FMT, add_connection_args
+from genpool.engine.config_args import add_dataclass_args, dataclass_kwargs
+from genpool.schemas.config import HELP_FMT, add_connection_args
 
-from workers.worker_runner import add_runner_args, run_worker
+from genpool.workers.worker_runner import add_runner_args, run_worker
 
 log = logging.getLogger("genpool.worker")
 
 
 def register_worker(sub) -> None:
-    from engine.config import EngineConfig
+    from genpool.engine.config import EngineConfig
 
-    from workers.worker_config import WorkerConfig
+    from genpool.workers.worker_config import WorkerConfig
 
     p = sub.add_parser("worker", help="run a resident worker: Redis lane streams -> engine",
                        description="Run one resident engine serving this prefix's lane streams "
@@ -42,13 +42,13 @@ def register_worker(sub) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     """EngineConfig's fields from the parsed options, except `model` (build_engine's first argument)."""
-    from engine.config import EngineConfig
+    from genpool.engine.config import EngineConfig
 
     return dataclass_kwargs(a, EngineConfig, skip=("model",))
 
 
 def worker_config(a: argparse.Namespace):
-    from workers.worker_config import WorkerConfig
+    from genpool.workers.worker_config import WorkerConfig
 
     kw = dataclass_kwargs(a, WorkerConfig)
     kw["served_models"] = served_names(a.model, a.served_models)
@@ -66,7 +66,7 @@ def build_engine(model: str, factory: str | None = None, **kwargs):
     if factory:
         mod, _, fn = factory.partition(":")
         return getattr(importlib.import_module(mod), fn)(model=model, **kwargs)
-    from engine import LLM
+    from genpool.engine import LLM
 
     return LLM(model, **kwargs).llm_engine
 
@@ -77,8 +77,10 @@ def served_names(model: str, extra) -> frozenset[str]:
     # a local checkpoint is served (and advertised, in /v1/models) by its directory's name only:
     # its path would tell every caller about this machine's filesystem
     names = {Path(model).name} if Path(model).expanduser().exists() else {model, Path(model).name}
+    if Path(model).suffix.lower() == ".gguf":  # a local GGUF file: also without its extension
+        names.add(Path(model).stem)
     try:
-        from engine.models.registry import lookup
+        from genpool.engine.models.registry import lookup
 
         spec = lookup(model)
         if spec is not None:
@@ -94,7 +96,7 @@ def primary_name(model: str, extra: list[str] | None) -> str:
     if extra:
         return extra[0]
     try:
-        from engine.models.registry import lookup
+        from genpool.engine.models.registry import lookup
 
         spec = lookup(model)
         if spec is not None:
@@ -105,16 +107,16 @@ def primary_name(model: str, extra: list[str] | None) -> str:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from schemas.connection import connect
-    from schemas import Keys
+    from genpool.schemas.connection import connect
+    from genpool.schemas import Keys
 
-    from workers.integrations.embedded import ensure_redis
-    from workers.worker import Worker
+    from genpool.workers.integrations.embedded import ensure_redis
+    from genpool.workers.worker import Worker
 
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     url, _ = ensure_redis(a.redis)
-    from schemas.config import key_prefix
+    from genpool.schemas.config import key_prefix
 
     engine = build_engine(a.model, a.engine_factory, **engine_kwargs(a))
     log_engine_choice(engine)

@@ -20,10 +20,10 @@ from typing import Any, Optional
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from producer import Client
-from schemas.config import key_prefix, redis_url
+from genpool.producer import Client
+from genpool.schemas.config import key_prefix, redis_url
 
-from workers.integrations.flower_events import CELERY_MARK, REVOKED_CODES
+from genpool.workers.integrations.flower_events import CELERY_MARK, REVOKED_CODES
 
 # `celery -A workers.integrations.celery_app flower` imports this module before Flower reads FLOWER_* options:
 # listen on loopback unless told otherwise (compose passes --address=0.0.0.0 in its network).
@@ -47,7 +47,7 @@ def celery_redis(url: str) -> dict:
     (schemas/connection.py's forms). Sentinel becomes kombu's `sentinel://` list with the master
     name; kombu has no Redis Cluster transport, so with a cluster Celery's own queue needs a
     single Redis or Sentinel URL in GENPOOL_CELERY_BROKER_URL (the jobs still use the cluster)."""
-    from schemas.connection import parse
+    from genpool.schemas.connection import parse
 
     t = parse(os.environ.get(ENV_BROKER) or url)
     if t.kind == "cluster":

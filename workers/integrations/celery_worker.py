@@ -16,8 +16,8 @@ import threading
 
 from celery import bootsteps
 
-from workers.integrations.celery_app import SHUTDOWN, app, configure
-from workers.integrations.flower_events import attach_flower_events, celery_hostname
+from genpool.workers.integrations.celery_app import SHUTDOWN, app, configure
+from genpool.workers.integrations.flower_events import attach_flower_events, celery_hostname
 
 log = logging.getLogger("genpool.celery")
 

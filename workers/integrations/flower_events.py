@@ -22,7 +22,7 @@ import platform
 import time
 from typing import Callable, Optional
 
-from workers.observe import WorkerObserver
+from genpool.workers.observe import WorkerObserver
 
 REVOKED_CODES = ("cancelled", "expired")  # error codes Celery/Flower call "revoked"
 
@@ -190,7 +190,7 @@ def attach_flower_events(worker, app=None, hostname: Optional[str] = None,
                          heartbeats: bool = True, freq: float = 2.0) -> FlowerEvents:
     """Report `worker` to Flower. `heartbeats=False` inside a Celery worker, which beats itself."""
     if app is None:
-        from workers.integrations.celery_app import app
+        from genpool.workers.integrations.celery_app import app
     host = hostname or celery_hostname(worker.name)
     obs = FlowerEvents(celery_dispatcher(app, host), host, heartbeats=heartbeats, freq=freq)
     worker.observers.append(obs)

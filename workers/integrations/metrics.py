@@ -21,9 +21,9 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from schemas.connection import lane_depths, queue_lane_depths, stored_shards
+from genpool.schemas.connection import lane_depths, queue_lane_depths, stored_shards
 
-from workers.observe import WorkerObserver
+from genpool.workers.observe import WorkerObserver
 
 log = logging.getLogger("genpool.metrics")
 NS = "genpool:"
@@ -131,7 +131,7 @@ class QueueSource:
     so a slow Redis cannot hang a scrape)."""
 
     def __init__(self, url: str, keys):
-        from schemas.connection import connect
+        from genpool.schemas.connection import connect
 
         self.keys = keys
         self.r = connect(url, socket_timeout=2, socket_connect_timeout=2)

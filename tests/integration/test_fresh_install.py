@@ -1,0 +1,57 @@
+"""A fresh machine's install, both ways, beside packages that own the product folders' names.
+
+transformers 5.25 pulls Hugging Face's `kernels`, a top-level package that used to win over this
+checkout's kernels/ (genpool worker: "cannot import name 'DecodeStack' from 'kernels'"). Here a
+throwaway venv gets the locked releases (that transformers and its `kernels` included) plus
+decoy top-level `engine`, `schemas`, `workers` and `producer` packages that raise on import; then
+genpool, editable and then regular (a wheel carrying the C sources, which the worker compiles on
+first use into a fresh GENPOOL_HOME). From a directory outside the checkout: `genpool --help`,
+every genpool module imports, and a worker on the shipped GGUF file runs a chat job to the end.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.fresh_install import IMPORTS, Venv, install, run_job, wheel_files
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.checkpoint]
+
+
+@pytest.fixture(scope="module")
+def gguf_file(smollm2_path):
+    from genpool.engine.models.registry import gguf_path
+    return gguf_path("smollm2-135m")
+
+
+def _checks(venv: Venv, outside, url, gguf, home) -> dict:
+    assert "genpool: Redis-streams LLM worker pool" in venv.run(venv.bin("genpool"), "--help", cwd=outside)
+    assert "imports ok" in venv.run_py(IMPORTS, cwd=outside)
+    for name in ("engine", "schemas", "workers", "producer"):  # the decoys still own their names
+        out = venv.run_py(f"try:\n import {name}\nexcept ImportError as e:\n print(e)", cwd=outside)
+        assert "decoy" in out, out
+    got = run_job(venv, url, str(gguf), outside, home)
+    assert got["ok"] and got["tokens"] > 0 and got["finish"] in ("stop", "length"), got
+    return got
+
+
+def test_editable_and_regular_installs_run_a_job_from_outside(tmp_path, redis_url, gguf_file):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    venv = Venv(tmp_path / "venv")
+    install(venv, editable=True)
+    venv.add_decoys()
+    editable = _checks(venv, outside, redis_url, gguf_file, tmp_path / "home-editable")
+
+    venv.run(venv.python, "-m", "pip", "uninstall", "-y", "-q", "genpool")
+    install(venv, editable=False)
+    assert venv.decoys_intact()  # the wheel wrote into no other package's directory
+    files = wheel_files(venv)
+    tops = {f.split("/")[0] for f in files}
+    assert tops <= {"genpool", "genpool-0.1.0.dist-info", ".."}, tops  # "..": bin/genpool
+    assert {"genpool/kernels/cpu/cpu_gemm.c", "genpool/kernels/cpu/cpu_qgemm_vnni.c",
+            "genpool/kernels/cpu/cpu_kernels.h", "genpool/schemas/scripts.py"} <= set(files)
+    assert not any(f.startswith("genpool/tests") for f in files)
+    home = tmp_path / "home-regular"  # no C kernels built yet: the worker compiles the wheel's sources
+    regular = _checks(venv, outside, redis_url, gguf_file, home)
+    assert list((home / "kernels").glob("cpu_decode_layers-*.so"))
+    assert regular["text"] == editable["text"]  # greedy: the same answer from either install
