@@ -10,12 +10,14 @@ WORKDIR /app
 # torch first and pinned, as in the README (on Linux x86_64 this is the CUDA build).
 RUN pip install --no-cache-dir torch==2.13.0
 COPY pyproject.toml README.md ./
+COPY .ci/constraints.txt .ci/constraints.txt
 COPY engine engine
 COPY kernels kernels
 COPY workers workers
 COPY producer producer
 COPY schemas schemas
-RUN pip install --no-cache-dir '.[worker,convert,triton,gateway]'
+# Through the lock (.ci/constraints.txt): the image gets the same dependency set as CI.
+RUN pip install --no-cache-dir -c .ci/constraints.txt '.[worker,convert,triton,gateway]'
 
 # Unprivileged; the model cache volume (/cache) starts owned by this user.
 RUN useradd --create-home --uid 10001 genpool && mkdir -p /cache/genpool \

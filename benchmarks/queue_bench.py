@@ -16,7 +16,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the repo root
+sys.path.append(ROOT)  # the repo root, last: benchmarks.* and tests.* only, installed packages first
 
 import argparse  # noqa: E402
 import json  # noqa: E402

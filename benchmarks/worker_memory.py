@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from genpool.producer import Client  # noqa: E402
 from genpool.schemas.connection import delete_prefix  # noqa: E402

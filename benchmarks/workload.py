@@ -12,7 +12,7 @@ import os
 import sys
 
 if __name__ == "__main__":  # as a script: import the project through the repo root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import random  # noqa: E402
 import re  # noqa: E402

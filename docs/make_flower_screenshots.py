@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from genpool.producer import Client  # noqa: E402
 from tests.pool_helpers import drop_prefix, spawn_worker, wait_for  # noqa: E402

@@ -17,10 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from genpool.producer import Client  # noqa: E402
-from genpool.producer.pipeline import map_prompts  # noqa: E402
+from genpool.producer import Client
+from genpool.producer.pipeline import map_prompts
 
 DEFAULT_SCHEMA = {
     "type": "object",

@@ -40,10 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from genpool.producer import Client  # noqa: E402
-from genpool.producer.pipeline import map_prompts  # noqa: E402
+from genpool.producer import Client
+from genpool.producer.pipeline import map_prompts
 
 SYSTEM = (
     "You are a careful editor who writes short, faithful summaries. Use only facts from the "

@@ -1,4 +1,4 @@
-"""asyncio producer: the same API as producer.client, on redis.asyncio.
+"""asyncio producer: the same API as genpool.producer.client, on redis.asyncio.
 
 Commands are pipelined rather than gathered: redis.asyncio's pool holds 100 connections and
 gathering more concurrent commands raises MaxConnectionsError (and is slower anyway).
@@ -56,7 +56,7 @@ async def _retrying(fn, attempts: int = 8):
 
 
 class AsyncJob:
-    """The asyncio twin of producer.client.Job (same errors: JobFailed, NoWorkers,
+    """The asyncio twin of genpool.producer.client.Job (same errors: JobFailed, NoWorkers,
     QueueUnavailable; a cancelled job's result keeps its streamed text)."""
 
     def __init__(self, client: "AsyncClient", job_id: str, duplicate: bool = False,
@@ -161,7 +161,7 @@ class AsyncJob:
 
 
 class AsyncClient:
-    """`url`: any form schemas.connection accepts (one server, redis+cluster://,
+    """`url`: any form genpool.schemas.connection accepts (one server, redis+cluster://,
     redis+sentinel://)."""
 
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,

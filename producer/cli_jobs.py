@@ -1,5 +1,5 @@
 """`genpool job show|stream|result|cancel ID` and `genpool dead list|retry|purge` (redis +
-pydantic only). Every key comes from schemas.keys; retry re-enqueues through the submit script."""
+pydantic only). Every key comes from genpool.schemas.keys; retry re-enqueues through the submit script."""
 from __future__ import annotations
 
 import argparse

@@ -146,7 +146,7 @@ def _retrying(fn, attempts: int = 8):
 
 
 class Client:
-    """`url`: any form schemas.connection accepts (one server, redis+cluster://,
+    """`url`: any form genpool.schemas.connection accepts (one server, redis+cluster://,
     redis+sentinel://)."""
 
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,
@@ -212,7 +212,7 @@ class Client:
 
     def map(self, items, concurrency: int = 16, **common):
         """Run every item (prompt string or dict of submit kwargs) with at most `concurrency`
-        jobs in flight; JobResults in input order (see producer.pipeline.map_prompts)."""
+        jobs in flight; JobResults in input order (see genpool.producer.pipeline.map_prompts)."""
         from genpool.producer.pipeline import map_prompts
 
         return map_prompts(self, items, concurrency=concurrency, **common)

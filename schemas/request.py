@@ -19,7 +19,7 @@ MAX_ID_LEN = 128
 # Job ids name Redis keys ({p}:job:{<id>}), so they may not hold ':' or braces: no id can then
 # spell another job's key or move its keys out of their {<id>} hash tag (docs/protocol.md).
 ID_PATTERN = JOB_ID_RE.pattern  # the one job-id rule (schemas/keys.py)
-# Sampling bounds: the same numbers as engine.sampling_params (no parameter inside them can make
+# Sampling bounds: the same numbers as genpool.engine.sampling_params (no parameter inside them can make
 # a logit inf or nan); this module must not import the engine (no torch for producers).
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP_LEN = 1024

@@ -1,7 +1,7 @@
 """The resident worker: Redis lane streams -> one engine -> per-job Redis event streams.
 
 Read `Worker.run` and `Worker.tick` top to bottom; each line is one stage of a step. Every Redis
-key comes from schemas.keys; docs/protocol.md describes the wire format.
+key comes from genpool.schemas.keys; docs/protocol.md describes the wire format.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Importing the Celery app (what `celery -A workers.integrations.celery_app` and every Celery user
+"""Importing the Celery app (what `celery -A genpool.workers.integrations.celery_app` and every Celery user
 does) must not touch the network: no broker, result backend or Redis connection at import."""
 from __future__ import annotations
 

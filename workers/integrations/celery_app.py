@@ -1,12 +1,12 @@
 """The Celery front door: task `genpool.generate`, served by the same resident engines.
 
 The task body does not generate anything itself. It submits the job onto genpool's Redis lane
-stream with `producer.Client` (the job id is the Celery task id, so tokens stream on
+stream with `genpool.producer.Client` (the job id is the Celery task id, so tokens stream on
 `<p>:job:{<task id>}:events` too) and waits for the job's result, which it returns through the Celery
 result backend. Whichever genpool worker reads the job runs it in its engine's batch together with
 every stream job: one engine per worker process, never one per task. docs/celery.md has the why.
 
-    celery -A workers.integrations.celery_app worker -P threads -c 64 -Q genpool   # forwarders only, or
+    celery -A genpool.workers.celery worker -P threads -c 64 -Q genpool   # forwarders only, or
     genpool worker --model ... --celery                                # engine + Celery in one
 
 Everything is JSON: tasks, results, events. Nothing is ever pickled.
@@ -25,7 +25,7 @@ from genpool.schemas.config import key_prefix, redis_url
 
 from genpool.workers.integrations.flower_events import CELERY_MARK, REVOKED_CODES
 
-# `celery -A workers.integrations.celery_app flower` imports this module before Flower reads FLOWER_* options:
+# `celery -A genpool.workers.integrations.celery_app flower` imports this module before Flower reads FLOWER_* options:
 # listen on loopback unless told otherwise (compose passes --address=0.0.0.0 in its network).
 os.environ.setdefault("FLOWER_ADDRESS", "127.0.0.1")
 
@@ -93,7 +93,7 @@ def make_app(url: Optional[str] = None, queue: Optional[str] = None) -> Celery:
     return a
 
 
-# Broker and backend from GENPOOL_REDIS_URL (schemas.config.redis_url's rules), queue from
+# Broker and backend from GENPOOL_REDIS_URL (genpool.schemas.config.redis_url's rules), queue from
 # GENPOOL_CELERY_QUEUE, the producer's key prefix from GENPOOL_PREFIX; `genpool worker --celery`
 # calls configure() with its own --redis/--prefix before the app connects anywhere.
 app = Celery("genpool")
