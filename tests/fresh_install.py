@@ -150,10 +150,16 @@ def run_job(venv: Venv, url: str, model: str, outside: Path, home: Path, timeout
 
 
 def suspects(venv: Venv, error: str) -> list[str]:
-    """Which packages broke it: the third-party package in the traceback, then what differs from the lock."""
-    names = []
+    """Which packages broke it, asked of the venv that failed."""
     dists = json.loads(venv.run_py("import importlib.metadata as m, json; print(json.dumps(m.packages_distributions()))"))
-    versions, pins = venv.versions(), locked()
+    return name_suspects(error, dists, venv.versions(), locked())
+
+
+def name_suspects(error: str, dists: dict[str, list[str]], versions: dict[str, str],
+                  pins: dict[str, str]) -> list[str]:
+    """The third-party distributions in the failing traceback (innermost first), then every
+    installed version that differs from the lock; or a line saying there is neither."""
+    names = []
     for top in re.findall(r"site-packages/([A-Za-z0-9_]+)", error)[::-1]:
         for d in dists.get(top, []):
             if norm(d) != "genpool" and norm(d) not in names:
@@ -161,7 +167,8 @@ def suspects(venv: Venv, error: str) -> list[str]:
     lines = [f"in the traceback: {n} {versions.get(n, '?')} (locked: {pins.get(n, 'not locked')})" for n in names[:3]]
     lines += [f"differs from the lock: {n} {v} (locked {pins[n]})" for n, v in sorted(versions.items())
               if n in pins and pins[n].split("+")[0] != v.split("+")[0]]
-    return lines
+    return lines or ["no third-party package in the traceback and every version is the lock's: "
+                     "the cause is genpool itself or this machine"]
 
 
 def latest(url: str, keep: bool = False) -> int:
@@ -171,7 +178,7 @@ def latest(url: str, keep: bool = False) -> int:
     try:
         t0 = time.monotonic()
         venv = Venv(tmp / "venv")
-        install(venv, editable=False, extras="worker,gateway", lock=False)
+        install(venv, editable=False, extras="worker,convert,gateway", lock=False)
         print(f"installed the latest releases in {time.monotonic() - t0:.0f} s")
         venv.run(venv.bin("genpool"), "--help", cwd=tmp)
         venv.run_py(IMPORTS, "triton", cwd=tmp)

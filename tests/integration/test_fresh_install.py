@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fresh_install import IMPORTS, Venv, install, run_job, wheel_files
-
-pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.checkpoint]
+from tests.fresh_install import IMPORTS, Venv, install, name_suspects, run_job, wheel_files
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +32,9 @@ def _checks(venv: Venv, outside, url, gguf, home) -> dict:
     return got
 
 
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.checkpoint
 def test_editable_and_regular_installs_run_a_job_from_outside(tmp_path, redis_url, gguf_file):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
@@ -55,3 +56,19 @@ def test_editable_and_regular_installs_run_a_job_from_outside(tmp_path, redis_ur
     regular = _checks(venv, outside, redis_url, gguf_file, home)
     assert list((home / "kernels").glob("cpu_decode_layers-*.so"))
     assert regular["text"] == editable["text"]  # greedy: the same answer from either install
+
+
+def test_a_breaking_release_is_named_by_package_and_version():
+    """What .ci/latest-releases prints when today's releases break genpool."""
+    err = ('Traceback (most recent call last):\n  File "/v/lib/python3.11/site-packages/genpool/engine/x.py"\n'
+           '  File "/v/lib/python3.11/site-packages/transformers/activations.py", line 22\n'
+           '  File "/v/lib/python3.11/site-packages/kernels/__init__.py", line 3\nImportError: boom')
+    dists = {"transformers": ["transformers"], "kernels": ["kernels"], "genpool": ["genpool"]}
+    versions = {"transformers": "5.26.0", "kernels": "0.20.0", "torch": "2.13.0+cpu", "redis": "8.1.0"}
+    pins = {"transformers": "5.25.0", "kernels": "0.19.1", "torch": "2.13.0", "redis": "8.1.0"}
+    got = name_suspects(err, dists, versions, pins)
+    assert got[:2] == ["in the traceback: kernels 0.20.0 (locked: 0.19.1)",
+                       "in the traceback: transformers 5.26.0 (locked: 5.25.0)"]
+    assert "differs from the lock: transformers 5.26.0 (locked 5.25.0)" in got
+    assert not any("torch" in line or "redis" in line or "genpool" in line for line in got)
+    assert "genpool itself" in name_suspects("ValueError: x", dists, pins, pins)[0]
