@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fresh_install import IMPORTS, Venv, install, name_suspects, run_job, wheel_files
+from tests.fresh_install import IMPORTS, LOCK, ROOT, Venv, install, name_suspects, run_job, wheel_files
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,22 @@ def test_a_breaking_release_is_named_by_package_and_version():
     assert "differs from the lock: transformers 5.26.0 (locked 5.25.0)" in got
     assert not any("torch" in line or "redis" in line or "genpool" in line for line in got)
     assert "genpool itself" in name_suspects("ValueError: x", dists, pins, pins)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_producers_need_only_redis_and_pydantic(tmp_path, redis_url):
+    """`pip install .` without extras: Client, the schemas and the producer commands work."""
+    venv = Venv(tmp_path / "venv")
+    venv.pip("-c", LOCK, ROOT)
+    extra = set(venv.versions()) - {"genpool", "redis", "pydantic", "pydantic-core", "annotated-types",
+                                    "typing-extensions", "typing-inspection", "pip", "setuptools"}
+    assert not extra, extra
+    out = venv.run_py("import sys, genpool.producer, genpool.schemas, genpool.producer.cli, genpool.producer.aio; "
+                      "print(sorted(m.split('.')[0] for m in sys.modules if m.split('.')[0] in "
+                      "('torch', 'numpy', 'transformers')))", cwd=tmp_path)
+    assert out.strip() == "[]"
+    assert "submit" in venv.run(venv.bin("genpool"), "--help", cwd=tmp_path)
+    status = venv.run(venv.bin("genpool"), "status", "--redis", redis_url, "--prefix", "test-fresh-none",
+                      cwd=tmp_path)
+    assert "workers: 0 alive" in status, status
