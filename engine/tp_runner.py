@@ -151,19 +151,23 @@ class LeaderRunner(TPModelRunner):
             timer.daemon = True
             timer.start()
             return
-        die(f"tensor-parallel rank {rank} (pid {p.pid}) died (exit code {p.exitcode}): the worker exits "
+        self._die(f"tensor-parallel rank {rank} (pid {p.pid}) died (exit code {p.exitcode}): the worker exits "
             f"now; its unfinished jobs will be reclaimed by other workers")
+
+    def _die(self, message: str) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)  # the exit skips close(): leave no rendezvous behind
+        die(message)
 
     def _start_stuck(self) -> None:
         if not self._ready.is_set() and not self._stopping.is_set():
-            die(f"{self._start_death}; rank 0 is still waiting for it: the process exits")
+            self._die(f"{self._start_death}; rank 0 is still waiting for it: the process exits")
 
     def execute(self, scheduled, copies):
         try:
             self.channel.send_step(scheduled, copies)
             return super().execute(scheduled, copies)
         except Exception:  # the ranks may now disagree about where they are: stop them all
-            die(f"tensor-parallel step failed on rank 0; the worker exits:\n{traceback.format_exc()}")
+            self._die(f"tensor-parallel step failed on rank 0; the worker exits:\n{traceback.format_exc()}")
 
     def close(self) -> None:
         """Stop ranks 1..N-1 and leave the process group (idempotent; also runs at exit)."""
@@ -194,8 +198,11 @@ def follower_main(config: dict, model_path: str, max_model_len: int, rank: int, 
     cfg = EngineConfig(**config)
     stopping = threading.Event()
     parent = multiprocessing.parent_process()
-    watch({0: parent.sentinel}, lambda _: die(f"tensor-parallel rank {rank}: rank 0 (pid {parent.pid}) "
-                                              f"is gone; exiting"), stopping)
+
+    def leader_gone(_):  # a killed rank 0 cleans nothing: its rendezvous directory goes with us
+        shutil.rmtree(os.path.dirname(init.removeprefix("file://")), ignore_errors=True)
+        die(f"tensor-parallel rank {rank}: rank 0 (pid {parent.pid}) is gone; exiting")
+    watch({0: parent.sentinel}, leader_gone, stopping)
     try:
         comm = init_group(rank, cfg.tensor_parallel_size, init, torch.device(_rank_config(cfg, rank).device))
         runner = TPModelRunner(cfg, model_path, max_model_len, comm)

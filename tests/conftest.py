@@ -214,6 +214,7 @@ def _test_redis_url() -> str:
 def pytest_sessionstart(session):
     hygiene.install_process_groups()
     session.config._genpool_peak = hygiene.PeakRSS().start()
+    session.config._genpool_tmp_before = hygiene.leftover_dirs()
     try:
         session.config._genpool_keys_before, _ = hygiene.unexpired_keys(_test_redis_url())
     except Exception:  # no Redis: the Redis tests skip, and there is nothing to check
@@ -240,6 +241,9 @@ def pytest_sessionfinish(session, exitstatus):
             hygiene.delete_keys(_test_redis_url(), leaked)
             problems.append(f"{len(leaked)} Redis keys written without a TTL and not deleted "
                             f"(deleted now): {', '.join(leaked[:10])}")
+    left = hygiene.leftover_dirs() - getattr(session.config, "_genpool_tmp_before", set())
+    if left:
+        problems.append(f"temporary directories left behind: {', '.join(sorted(left)[:10])}")
     session.config._genpool_problems = problems
     if problems and session.exitstatus == 0:
         session.exitstatus = 1

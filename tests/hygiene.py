@@ -5,6 +5,8 @@
   if a process of those groups survives the kill (it would outlive the suite).
 - Every Redis key a test writes must have a TTL or be deleted: at the end, keys in the test
   database without a TTL that were not there at the start fail the run (and are deleted).
+- The product's own temporary directories (tensor-parallel rendezvous, genpool-tp-*) must be gone
+  at the end: a run that leaves one fails.
 - A sampler adds up the resident memory of the pytest process and all its descendants twice a
   second; the summary prints the suite's peak (the target is <= 6 GB).
 """
@@ -166,3 +168,10 @@ def delete_keys(url: str, keys: list[str]) -> None:
     for i in range(0, len(keys), 500):
         r.delete(*keys[i:i + 500])
     r.close()
+
+
+def leftover_dirs() -> set[str]:
+    """The product's temporary directories now present (engine/tp_runner.py's rendezvous)."""
+    import glob
+    import tempfile
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "genpool-tp-*")))

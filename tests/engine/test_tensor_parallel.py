@@ -181,7 +181,7 @@ import sys, time
 from genpool.engine import LLM
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], num_kv_blocks=16, tensor_parallel_size=2)
-    print("ready", flush=True)
+    print("ready", llm.llm_engine.runner._tmp, flush=True)
     time.sleep(120)
 """
 
@@ -193,7 +193,8 @@ def test_ranks_exit_when_rank_0_is_killed(tiny4, tmp_path):
                             stderr=subprocess.PIPE, env=dict(os.environ))
     children: list[int] = []
     try:
-        assert proc.stdout.readline().strip() == b"ready"
+        ready, rendezvous = proc.stdout.readline().decode().split()
+        assert ready == "ready" and os.path.isdir(rendezvous)
         children = child_pids(proc.pid)  # rank 1 (and multiprocessing's resource tracker)
         assert len(rank_pids(proc.pid)) == 1
         os.kill(proc.pid, signal.SIGKILL)
@@ -201,6 +202,7 @@ def test_ranks_exit_when_rank_0_is_killed(tiny4, tmp_path):
         t0 = time.monotonic()
         wait_for(lambda: not any(alive(c) for c in children), timeout=10, what="rank 1 to exit")
         assert time.monotonic() - t0 < 5
+        assert not os.path.exists(rendezvous)  # rank 1 removed what the killed rank 0 could not
     finally:
         for c in children:
             if alive(c):
