@@ -1,7 +1,7 @@
 """Throughput benchmark: one fixed greedy chat workload through
   (a) HF transformers generate, one request at a time,
   (b) HF transformers static batches (left padding; each batch runs to its longest max_tokens),
-  (c) genpool's engine (`from engine import LLM, SamplingParams`), all requests at once.
+  (c) genpool's engine (`from genpool.engine import LLM, SamplingParams`), all requests at once.
 
 Counting: a request's output tokens are what it asked for and got: generated tokens up to and
 including EOS, capped at its max_tokens (for (b) the tokens past that are padding work, not

@@ -5,7 +5,7 @@ shows the protocol's costs, not a speed-up. Rounds interleave the configurations
 median over rounds. Also: the one-call C decode stack against the module path at N=1, and the
 step broadcast as one packed tensor against broadcast_object_list.
 
-    PYTHONPATH=$PWD python benchmarks/tp_bench.py [--rounds 2] [--batch 8] [--new 32]
+    python benchmarks/tp_bench.py [--rounds 2] [--batch 8] [--new 32]
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def use_tile_kernels() -> bool:
     Yes by default (AVX2 and AVX-512 builds alike); GENPOOL_CPU_GEMM=0 keeps torch's MKL GEMM and
     flash SDPA (any other value: ours; bf16 weights on bf16 hardware stay on torch either way). On a 2-core AVX-512 Xeon, against MKL: decode-sized products
     (1-48 rows) 0.8-1.6x, prompt-sized (2048 rows) 0.85-0.88x; the engine's benchmark run was faster
-    with ours (docs/results.md)."""
+    with ours (docs/kernels.md)."""
     return os.environ.get("GENPOOL_CPU_GEMM", "").strip() != "0"
 
 
