@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from genpool.engine.block_manager import BlockManager
-from genpool.engine import isolation
+from genpool.engine import isolation, limits
 from genpool.engine.config import EngineConfig
 from genpool.engine.cpu_alloc import trim_heap
 from genpool.engine.output_processor import OutputProcessor
@@ -51,6 +51,12 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:  # rank 0 here; ranks 1.. in their own processes
             from genpool.engine.tp_runner import LeaderRunner as runner_cls
         self.runner = runner_cls(config, self.model_path, self.max_model_len, startup=self.startup)
+        try:  # no sequence longer than the cache (engine/limits.py)
+            self.max_model_len = limits.fit_to_cache(self.max_model_len, config.max_model_len,
+                                                     self.runner.num_blocks, config.block_size)
+        except ValueError:
+            self.runner.close()  # tensor-parallel ranks too
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -96,19 +102,6 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def _check_prompt(self, ids: list[int]) -> None:
-        vocab = self.runner.args.vocab_size
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; the model's limit is "
-                             f"{self.max_model_len} including at least one generated token")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if len(ids) + 1 > capacity:
-            raise ValueError(f"prompt is {len(ids)} tokens but the KV cache holds only {capacity}")
-
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
@@ -117,14 +110,12 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, ids = self.encode_prompt(prompt)
-        self._check_prompt(ids)
-        vocab = self.runner.args.vocab_size
+        vocab, bm = self.runner.args.vocab_size, self.block_manager
+        limits.check_prompt(ids, vocab, self.max_model_len, bm.num_blocks * bm.block_size)
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
                              f"{max(params.stop_token_ids)}")
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is None or params.max_tokens > room:
-            params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
+        params = limits.cap_max_tokens(params, len(ids), self.max_model_len)
         req = Request(request_id, text, ids, params, priority, arrival_time)
         seq = self._new_seq(req, 0)
         seq.pending_forks = params.n - 1

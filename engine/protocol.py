@@ -66,6 +66,7 @@ class Engine(Protocol):
     # block_size, enable_prefix_caching, cached_hashes, find_cached_blocks); None for an engine
     # without one (a fake, a remote engine): routing is then off.
     block_manager: Any
+    max_model_len: int  # prompt + generated tokens of one sequence at most (max_tokens is capped)
 
     def apply_chat_template(self, messages: list[dict]) -> str: ...
 

@@ -4,7 +4,8 @@ Every step each scheduled sequence gets `num_new_tokens = num_tokens - num_compu
 capped by one shared token budget, so a long prompt is prefilled in chunks alongside decodes
 and a preempted sequence simply recomputes. Order: lower priority value first, FIFO within one.
 When blocks run out the lowest-priority running sequence is preempted (its blocks freed, its
-tokens recomputed later), so the engine never runs out of memory.
+tokens recomputed later), so the engine never runs out of memory. No sequence grows past what the
+cache holds (max_model_len is capped to it), so a preempted one can always be placed again.
 
 After the model ran and the sampler chose tokens, `update(output, sampled)` does the step's
 bookkeeping: computed tokens advance, n > 1 children join, tokens are appended and eos / stop token /
@@ -57,7 +58,10 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.bm = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len = max_model_len
+        # No sequence grows past what the cache holds, so a preempted one always fits again (see
+        # _schedule_waiting); the engine caps its own max_model_len the same way (engine/limits.py)
+        capacity = block_manager.num_blocks * block_manager.block_size
+        self.max_model_len = min(max_model_len or capacity, capacity)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
@@ -68,6 +72,9 @@ class Scheduler:
 
     # -- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if seq.num_tokens >= self.max_model_len:  # could never be placed (the engine checks first)
+            raise ValueError(f"a sequence of {seq.num_tokens} tokens could never be placed: the "
+                             f"limit is {self.max_model_len}, including one generated token")
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
@@ -138,8 +145,7 @@ class Scheduler:
             if token in p.stop_token_ids:
                 seq.stop_reason = token
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or (
-                self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -160,6 +166,11 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit in queue order (passing over sequences whose grammar is still compiling); stop at
+        the first sequence that cannot be placed. Skipping it would let later (smaller, or
+        lower-priority) sequences take the blocks it waits for, for ever. The wait always ends: no
+        sequence needs more than the whole cache (add, check_stop), so it fits once the running
+        ones ahead of it finish or are preempted for it."""
         while self.waiting and budget > 0:
             seq = next((s for s in self.waiting if self.is_ready(s)), None)
             if seq is None:

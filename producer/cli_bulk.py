@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.request import CALLER_PRIORITY_CEILING
 
 
 def register_batch(sub) -> None:
@@ -69,12 +70,12 @@ def register_gateway(sub) -> None:
     p.add_argument("--max-queue-depth", type=int, default=None,
                    help="answer 429 while more jobs than this wait for a worker (default: none: "
                         "no limit)")
-    p.add_argument("--priority", type=int, default=-1,
+    p.add_argument("--priority", type=int, default=CALLER_PRIORITY_CEILING,
                    help="priority ceiling: the most urgent priority a request may have (lower "
                         "runs sooner). "
                         "Requests that name none get it; a body asking for a lower value is "
-                        "refused with 400, a higher (less urgent) one is kept (default: -1: the "
-                        "interactive lane)")
+                        "refused with 400, a higher (less urgent) one is kept (default: "
+                        "%(default)s: the interactive lane, also genpool.generate's ceiling)")
     p.add_argument("--model", default=None,
                    help="model for requests that name none (default: none: such requests go to "
                         "any worker)")

@@ -16,6 +16,7 @@ from typing import Optional
 import redis
 
 from genpool.schemas import ErrorEvent, JobResult
+from genpool.schemas.connection import redact, redact_text
 
 
 class JobFailed(Exception):
@@ -43,9 +44,11 @@ class QueueUnavailable(redis.ConnectionError):
     """Redis stopped answering while we waited for a job."""
 
     def __init__(self, url: str, waited_s: float, cause: Exception):
-        self.url, self.waited_s = url, waited_s
-        super().__init__(f"lost the connection to Redis at {url} and it did not come back within "
-                         f"{waited_s:.0f} s ({type(cause).__name__}: {cause})")
+        # callers print, log and answer HTTP with this: never the password (`url` is redacted)
+        self.url, self.waited_s = redact(url), waited_s
+        super().__init__(f"lost the connection to Redis at {self.url} and it did not come back "
+                         f"within {waited_s:.0f} s ({type(cause).__name__}: "
+                         f"{redact_text(str(cause))})")
 
 
 def worker_command(model: Optional[str], prefix: str) -> str:

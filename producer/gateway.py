@@ -20,12 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genpool.schemas import Keys
+from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
+from genpool.schemas.keys import check_memory_policy
 
 from .aio import AsyncClient, AsyncJob
 from .gateway_io import (ClientGone, background, chain, iterate_until_disconnect, read_json, sse,
                          until_disconnect)
 from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import connect_async
+from genpool.schemas.connection import connect_async, redact_text
 from .liveness import live_workers_async, served_names, serving
 from genpool.schemas.connection import lane_depths, queue_lane_depths
 from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body,
@@ -33,7 +35,8 @@ from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body
 
 log = logging.getLogger("genpool.gateway")
 
-GATEWAY_PRIORITY = -1  # HTTP callers are waiting: the interactive lane, which workers read first
+# HTTP callers are waiting: the interactive lane, which workers read first, and no sooner
+GATEWAY_PRIORITY = CALLER_PRIORITY_CEILING
 # The worker refuses a job above 8 MiB (workers/intake.py); a body past this is refused unread.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Gateway:
@@ -54,6 +57,7 @@ class Gateway:
         # (schemas/connection.py: per node in a cluster, uncapped behind Sentinel).
         self.client = AsyncClient(self.url, self.keys.prefix, redis_client=connect_async(
             self.url, max_connections=self.max_connections, decode_responses=True))
+        await check_memory_policy(self.client.redis, log)  # an evicting Redis loses jobs
 
     async def stop(self) -> None:
         if self.client is not None:
@@ -119,10 +123,10 @@ class Gateway:
         self.authorize(request)
         body = await read_json(request)
         req = parse_body(kind, body, priority=self.priority, default_model=self.default_model)
-        if req.kwargs["priority"] < self.priority:  # lower runs first: the server's value is a ceiling
-            raise APIError(400, f"priority {req.kwargs['priority']} is above what this gateway "
-                                f"allows (lowest value {self.priority})", param="priority",
-                           code="invalid_value")
+        try:  # lower runs first: the server's value is a ceiling
+            check_priority(req.kwargs["priority"], self.priority, "this gateway")
+        except ValueError as e:
+            raise APIError(400, str(e), param="priority", code="invalid_value") from None
         if self.max_queue_depth is not None:
             depth = await self.queue_depth()
             if depth > self.max_queue_depth:
@@ -182,7 +186,8 @@ class Gateway:
         except ClientGone:
             pass
         except redis.RedisError as exc:  # the 200 is sent: the error can only be an event
-            log.warning("job %s: stream ended, the queue is unreachable: %s", job.id, exc)
+            log.warning("job %s: stream ended, the queue is unreachable: %s", job.id,
+                        redact_text(str(exc)))
             yield sse(queue_error(exc).body())
         finally:
             if not finished:  # the reader left (or the stream broke): free the worker's slot
@@ -237,8 +242,10 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
 
 
 def queue_error(exc: redis.RedisError) -> APIError:
+    """The 503 an HTTP caller gets: no password, no path of this machine."""
     return APIError(503, f"the job queue is unreachable ({type(exc).__name__}: "
-                         f"{scrub_paths(str(exc))})", "server_error", code="queue_unavailable")
+                         f"{scrub_paths(redact_text(str(exc)))})", "server_error",
+                    code="queue_unavailable")
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from genpool.schemas import ErrorEvent, JobResult, ResultEvent
+from genpool.schemas.connection import redact
 
 from .errors import JobFailed, NoWorkers, QueueUnavailable
 
@@ -25,7 +26,8 @@ class Watch:
     def __init__(self, job_id: str, model: Optional[str], prefix: str, url: str,
                  timeout: Optional[float], no_worker_s: Optional[float],
                  reconnect_s: float = RECONNECT_S):
-        self.job_id, self.model, self.prefix, self.url = job_id, model, prefix, url
+        # `url` only goes into log lines and errors: never with its password
+        self.job_id, self.model, self.prefix, self.url = job_id, model, prefix, redact(url)
         now = time.monotonic()
         self.t0 = now
         self.deadline = None if timeout is None else now + timeout

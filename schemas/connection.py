@@ -14,6 +14,7 @@ Stdlib + redis only: producers must not need anything more.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -53,7 +54,7 @@ def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
     for part in hosts.split(","):
         host, _, port = part.strip().rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"bad host:port {part!r} in Redis URL {mask(url)!r}")
+            raise ValueError(f"bad host:port {part!r} in Redis URL {redact(url)!r}")
         out.append((host.strip("[]"), int(port)))
     return tuple(out)
 
@@ -75,27 +76,55 @@ def parse(url: str) -> Target:
     user, password = _userinfo(u.netloc)
     if scheme in CLUSTER_SCHEMES:
         if u.path.strip("/") not in ("", "0"):
-            raise ValueError(f"Redis Cluster has only database 0: {mask(url)!r}")
+            raise ValueError(f"Redis Cluster has only database 0: {redact(url)!r}")
         return Target("cluster", url, _nodes(u.netloc, url), username=user, password=password,
                       tls=CLUSTER_SCHEMES[scheme])
     parts = [p for p in u.path.split("/") if p]
     if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
         raise ValueError(f"a Sentinel URL is redis+sentinel://host:port[,host:port]/"
-                         f"service_name[/db]; got {mask(url)!r}")
+                         f"service_name[/db]; got {redact(url)!r}")
     query = parse_qs(u.query)
     return Target("sentinel", url, _nodes(u.netloc, url), service=unquote(parts[0]),
                   db=int(parts[1]) if len(parts) == 2 else 0, username=user, password=password,
                   sentinel_password=(query.get("sentinel_password") or [None])[0])
 
 
-def mask(url: str) -> str:
-    """The URL with any password replaced by ***, for logs and errors."""
-    if "://" not in url or "@" not in url.split("://", 1)[1].split("/", 1)[0]:
+# Query parameters that carry a secret: redis-py's password= (unix:// URLs), ssl_password=,
+# a Sentinel URL's sentinel_password=...
+_SECRET_PARAM = re.compile(r"(?i)((?:^|[&;])[^=&;#]*(?:pass|secret|token)[^=&;#]*=)[^&;#]*")
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
+# A URL inside free text: up to a blank or quote, or where the next URL starts (Celery joins
+# a Sentinel broker's URLs with ';').
+_URL_IN_TEXT = re.compile(_SCHEME + r".*?(?=[\s'\"<>`]|[;,]?" + _SCHEME + "|$)")
+
+
+def redact(url: str) -> str:
+    """`url` with its credentials replaced by *** (the user name stays): `user:password@`,
+    `:password@`, a lone `token@`, and secret query parameters. The one form of a Redis URL
+    (any form parse() takes) that may leave a process: errors, logs, metrics, status."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    scheme, rest = url.split("://", 1)
-    info, host = rest.split("@", 1)
-    user = info.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"
+    # A password may hold a raw '@', '/', '?' or '#' (a URL parser would split it there, and the
+    # connection fail, naming the URL): hide all up to the last '@', as a host list, /db and
+    # /service/db never hold one; a unix:// socket path may, but it starts with '/', so its
+    # credentials end at the first "@/".
+    unix = scheme.lower() == "unix"
+    at = (-1 if rest.startswith("/") else rest.find("@/")) if unix else rest.rfind("@")
+    cred = ""
+    if at >= 0:
+        user, colon, _ = rest[:at].partition(":")
+        cred, rest = (f"{user}:***@" if colon else "***@" if user else "@"), rest[at + 1:]
+    rest, q, query = rest.partition("?")
+    return f"{scheme}://{cred}{rest}{q}" + _SECRET_PARAM.sub(r"\1***", query)
+
+
+def redact_text(text: str) -> str:
+    """`text` (an error message, a log line) with every URL in it redact()ed."""
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+mask = redact  # the earlier name
 
 
 # A read on a healthy connection returns within its BLOCK (at most 5 s: producer/protocol.py

@@ -5,6 +5,8 @@ Stdlib only, so producers in any environment can import it.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
 import zlib
 
@@ -32,6 +34,14 @@ def check_job_id(job_id: str) -> str:
     if not (isinstance(job_id, str) and JOB_ID_RE.match(job_id)):
         raise ValueError(f"invalid job id {str(job_id)[:80]!r}: use 1-128 of [A-Za-z0-9_.-]")
     return job_id
+
+
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of `key`: the text between its first `{` and the next `}`
+    when that is not empty, else the whole key. Keys with equal tags share a slot."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else key
 
 
 def lane_for(priority: int) -> str:
@@ -152,3 +162,89 @@ class Keys:
         """Set of the chain hashes (decimal) of the full KV blocks worker `name` caches (bounded,
         rewritten about every second, with a TTL)."""
         return f"{self.prefix}:route:{self.tag}:blocks:{name}"
+
+
+# -- what these keys need from the server --------------------------------------------------------
+# Lane streams hold the queued jobs, job hashes each job's state and lease; those hashes and the
+# event streams carry TTLs. So any maxmemory-policy but noeviction loses jobs silently: allkeys-*
+# evict any key, volatile-* the ones with a TTL (under allkeys-lru, 56 of 300 jobs never ended).
+# Under noeviction a full Redis refuses new jobs and keeps every queued one.
+SAFE_MEMORY_POLICY = "noeviction"
+_said: set[tuple[str, str]] = set()  # (logger, message): each said once per process
+
+
+def check_memory_policy(r, log):
+    """Warn loudly (log.error) when the server evicts keys; when its policy cannot be read
+    (CONFIG disabled or renamed, as on managed Redis), say so once and go on. On a Redis
+    Cluster every master is asked; behind Sentinel, the master. Never raises, and stays
+    silent on a lost connection (the caller's own commands fail and it reconnects, then this
+    runs again). With an asyncio client it returns an awaitable, to await."""
+    if inspect.iscoroutinefunction(getattr(r, "execute_command", None)):
+        return _check_async(r, log)
+    try:
+        targets = {"target_nodes": r.get_primaries()} if hasattr(r, "get_primaries") else {}
+        reply = r.config_get("maxmemory-policy", **targets)
+    except Exception as e:  # noqa: BLE001 - a check must never stop a start
+        return _unreadable(r, e, log)
+    _judge(r, reply, log)
+    return None
+
+
+async def _check_async(r, log, timeout_s: float = 5.0) -> None:
+    async def ask():
+        if hasattr(r, "get_primaries"):  # an asyncio cluster knows its nodes once initialized
+            await r.initialize()
+            return await r.config_get("maxmemory-policy", target_nodes=r.get_primaries())
+        return await r.config_get("maxmemory-policy")
+    try:  # bounded: a server that does not answer must not hold up the caller's start
+        reply = await asyncio.wait_for(ask(), timeout_s)
+    except Exception as e:  # noqa: BLE001 - a check must never stop a start
+        return _unreadable(r, e, log)
+    _judge(r, reply, log)
+
+
+def _text(v) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def _policies(r, reply) -> dict[str, str]:
+    """{server: policy} from CONFIG GET's reply: one server's {name: value}, or a cluster's
+    {node: {name: value}} (redis-py gives the bare reply when one node answered)."""
+    if any(_text(k) == "maxmemory-policy" for k in reply):
+        return {_where(r): next(_text(v) for k, v in reply.items()
+                                if _text(k) == "maxmemory-policy")}
+    return {_text(node): _text(next(iter(d.values()), "")) for node, d in reply.items()}
+
+
+def _judge(r, reply, log) -> None:
+    for where, policy in sorted(_policies(r, reply).items()):
+        if policy != SAFE_MEMORY_POLICY:
+            _say(log, log.error, f"Redis at {where} has maxmemory-policy {policy}: when memory "
+                 f"runs out it evicts keys, and genpool then loses queued jobs, leases and "
+                 f"results without a trace. Set maxmemory-policy {SAFE_MEMORY_POLICY} (a full "
+                 f"Redis then refuses new jobs and keeps every queued one).")
+
+
+def _unreadable(r, e: Exception, log) -> None:
+    if any(c.__name__ in ("ConnectionError", "TimeoutError") for c in type(e).__mro__):
+        return
+    _say(log, log.warning, f"could not read maxmemory-policy of {_where(r)} "
+         f"({type(e).__name__}: {e}); genpool needs {SAFE_MEMORY_POLICY} (any other policy "
+         f"loses jobs) and cannot check it here; going on")
+
+
+def _say(log, level, message: str) -> None:
+    if (log.name, message) not in _said:
+        _said.add((log.name, message))
+        level(message)
+
+
+def _where(r) -> str:
+    pool = getattr(r, "connection_pool", None)
+    kw = getattr(pool, "connection_kwargs", None) or {}
+    if "host" in kw:
+        return f"{kw['host']}:{kw.get('port', 6379)}"
+    if "path" in kw:
+        return str(kw["path"])
+    service = getattr(pool, "service_name", None)
+    return f"the master of {service}" if service else "the Redis server"

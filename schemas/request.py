@@ -27,11 +27,25 @@ MAX_TOKEN_ID = 2**31  # exclusive; the engine checks stop_token_ids against its 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 TokenId = Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)]
 
+# The most urgent priority a caller of a front door may ask for (lower runs sooner: keys.lane_for):
+# the gateway's default ceiling (its --priority) and the Celery task's. Only producers that hold
+# the Redis URL itself choose any value; without a ceiling, any caller could jump every queue.
+CALLER_PRIORITY_CEILING = -1
+
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
     "logprobs",
 )
+
+
+def check_priority(priority: Any, ceiling: int = CALLER_PRIORITY_CEILING,
+                   who: str = "this front door") -> None:
+    """ValueError when `priority` asks to run sooner than `ceiling` allows (asking to run
+    later is always fine; a value that is no integer is left to JobRequest to refuse)."""
+    if isinstance(priority, int) and not isinstance(priority, bool) and priority < ceiling:
+        raise ValueError(f"priority {priority} is above what {who} allows (lowest value "
+                         f"{ceiling})")
 
 
 def new_job_id() -> str:

@@ -1,4 +1,5 @@
-"""Every Lua script genpool runs, beside the key names they act on (schemas/keys.py).
+"""Every Lua script genpool runs, beside the key names they act on (schemas/keys.py); those of
+operators' repairs (`genpool lanes repair`) are in schemas/repair.py.
 
 Each script touches the keys of one Redis Cluster slot only (see the `{...}` hash tags in
 schemas/keys.py); docs/protocol.md describes them for programs in other languages.
@@ -16,18 +17,30 @@ The job-state machine (the `state` field of a job's hash, `Keys.job(id)`):
 write for the job is applied only while it still matches (fencing, workers/lease.py).
 """
 
+# What a submit says when its lane stream refuses the XADD (SUBMIT_LUA and the Cluster submit).
+LANE_REFUSED = ("nothing was stored; `genpool lanes check` says what is wrong with the lane, "
+                "`genpool lanes repair` mends one whose entry ids ran out (docs/operations.md)")
+
 # --- used by producer/protocol.py ---
 # Atomic "create unless it exists" + enqueue. One script call is one round trip and cannot leave a
 # job hash without its stream entry (which a two-step HSETNX-then-XADD could after a crash).
+# The XADD comes before any write: a lane that refuses it (its ids ran out after a raw XADD of
+# the last possible id, a key of another type) fails the submit with nothing stored, so a
+# resubmit of the id is not mistaken for a duplicate (a script's writes are never rolled back).
 # KEYS[1] job hash, KEYS[2] lane stream; ARGV: job JSON, lane, submit time, TTL seconds.
 # Returns the stream entry id, or false when the job id already exists (it runs only once).
 SUBMIT_LUA = """
-if redis.call('HSETNX', KEYS[1], 'state', 'queued') == 0 then
+if redis.call('HEXISTS', KEYS[1], 'state') == 1 then
   return false
 end
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
-redis.call('HSET', KEYS[1], 'entry', entry, 'lane', ARGV[2], 'submitted_at', ARGV[3],
-           'attempts', 0)
+local ok, entry = pcall(redis.call, 'XADD', KEYS[2], '*', 'job', ARGV[1])
+if not ok then
+  local why = type(entry) == 'table' and entry.err or tostring(entry)
+  return redis.error_reply('ERR lane stream ' .. KEYS[2] .. ' refused the job: ' .. why ..
+                           ' (""" + LANE_REFUSED + """)')
+end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'lane', ARGV[2],
+           'submitted_at', ARGV[3], 'attempts', 0)
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return entry
 """
@@ -51,19 +64,42 @@ end
 return 1
 """
 
+# --- used by producer/client.py and producer/aio.py ---
+# Redis Cluster: the lane refused the XADD of step 2 (above), so take back what this submit's
+# SUBMIT_JOB_LUA stored: only while no entry owns the id and `submitted_at` is this submit's
+# (an earlier submit's hash is left as it is). A cancel flag or a `retry_of` mark stays.
+# KEYS[1] job hash; ARGV: the submit time given to SUBMIT_JOB_LUA. Returns 1 (taken back) or 0.
+SUBMIT_UNDO_LUA = """
+if redis.call('HEXISTS', KEYS[1], 'entry') == 1 or
+   redis.call('HGET', KEYS[1], 'submitted_at') ~= ARGV[1] then
+  return 0
+end
+redis.call('HDEL', KEYS[1], 'state', 'lane', 'submitted_at', 'attempts')
+return 1
+"""
+
 # --- used by producer/dead.py ---
-# Redis Cluster's `dead retry`, step 1 of 3 (then the cluster submit, then XDEL of the dead letter):
-# drop the dead job's hash and event stream (its terminal event would end a new reader at once)
-# and mark the fresh hash `retry_of` = the dead-letter entry id, with a TTL. A retry cut off
-# after step 2 and run again finds its own mark beside an `entry` and does not enqueue twice.
+# `dead retry`, step 1 of 3 (then the submit, then XDEL of the dead letter): drop the dead job's
+# hash and event stream (its terminal event would end a new reader at once) and mark the fresh
+# hash `retry_of` = the dead-letter entry id, with a TTL. A retry cut off after step 2 and run
+# again finds its own mark beside an `entry` and does not enqueue twice. Anyone can XADD a dead
+# letter, so only a job that is dead (or gone, or whose key is not a job hash) is replaced: one
+# queued, running or finished under that id is refused untouched.
 # KEYS[1] job hash, KEYS[2] job event stream; ARGV: dead-letter entry id, TTL seconds.
-# Returns 1 (go on with the submit) or 0 (this dead letter's job is already queued again).
+# Returns 1 (go on with the submit), 0 (this dead letter's job is already queued again), or the
+# state of a job that is not dead (nothing was touched).
 RETRY_RESET_LUA = """
-if redis.call('HGET', KEYS[1], 'retry_of') == ARGV[1] then
-  if redis.call('HEXISTS', KEYS[1], 'entry') == 1 then
-    return 0
+if redis.call('TYPE', KEYS[1]).ok == 'hash' then
+  if redis.call('HGET', KEYS[1], 'retry_of') == ARGV[1] then
+    if redis.call('HEXISTS', KEYS[1], 'entry') == 1 then
+      return 0
+    end
+    return 1
   end
-  return 1
+  local state = redis.call('HGET', KEYS[1], 'state')
+  if state and state ~= 'dead' then
+    return state
+  end
 end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'retry_of', ARGV[1])
@@ -172,12 +208,38 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 return n
 """
 
+# --- used by workers/outbox.py ---
+# Acknowledge a lane entry (XACK + XDEL: acked entries are deleted, so XLEN = queued + pending),
+# with its dead letter, if it has one, in the same script. The dead letter goes first: a server
+# under memory pressure refuses a script whose first write may add memory, and lets the deletes
+# after it pass once it began, so a refused dead letter leaves the entry pending, never acked
+# without it (pipelined, the XADD was refused while the XACK + XDEL beside it passed). Only an
+# entry still pending is dead-lettered, so a resend never writes a second dead letter.
+# KEYS[1] lane stream, KEYS[2] dead-letter stream (only with a dead letter: one slot, so on a
+# Redis Cluster only lane shard 0's entries come here with theirs; see workers/outbox.py);
+# ARGV: group, entry id, dead-letter cap, then the dead letter's field/value pairs.
+# Returns 1 when it acknowledged a pending entry, 0 when the entry was no longer pending.
+ACK_LUA = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #pending == 0 then
+  redis.call('XDEL', KEYS[1], ARGV[2])
+  return 0
+end
+if #KEYS > 1 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
 # --- used by workers/lease.py ---
 # KEYS[1] job hash, KEYS[2] its event stream. ARGV[1] token, ARGV[2] op, then per op:
 #   renew:   ARGV[3] lease ms                         -> 1 | 0
 #   solo:    (none) the attempt runs alone in its engine -> 1 | 0
 #   release: (none) hand the job back unfinished (not a crash) -> 1 | 0
 #   events:  ARGV[3] maxlen, ARGV[4] stream TTL, ARGV[5..] event JSONs -> 1 | 0
+#            (each entry: `event` = the JSON, `seq` = its place in the log; hash field `seq`)
 #   final:   ARGV[3] maxlen, ARGV[4] result TTL, ARGV[5] state, ARGV[6] field, ARGV[7] time,
 #            ARGV[8] worker, ARGV[9..] event JSONs (the last one terminal) -> 1 | 0
 FENCE_LUA = """
@@ -198,8 +260,12 @@ elseif op == 'release' then
 end
 local first = (op == 'final') and 9 or 5
 local last = ''
+-- `seq`: each entry's place in the job's event log (1, 2, ...; counted in the hash), so that a
+-- reader which fell more than the MAXLEN cap behind can tell what was trimmed unread
+local seq = redis.call('HINCRBY', KEYS[1], 'seq', #ARGV - first + 1) - (#ARGV - first + 1)
 for i = first, #ARGV do
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'event', ARGV[i])
+  seq = seq + 1
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'event', ARGV[i], 'seq', seq)
 end
 if op == 'final' then
   redis.call('HSET', KEYS[1], 'state', ARGV[5], ARGV[6], ARGV[#ARGV], 'finished_at', ARGV[7],

@@ -2,7 +2,9 @@
 
 Every entry ends in exactly one of: running in the engine, an error on its job's stream (acked),
 a dead letter (acked), a silent ack (a duplicate of a job id another entry owns, or a job that
-already finished), or handed back to the live worker that holds its lease.
+already finished), or handed back to the live worker that holds its lease. An entry whose claim
+Redis refused (a write refused: OOM, NOREPLICAS) is none of these yet: it is held and claimed
+again (workers/custody.py), never dead-lettered for it.
 """
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import redis
+
 from genpool.schemas.connection import REDIS_DOWN, queue_script
 from genpool.engine.protocol import EngineStats
 from genpool.schemas import ErrorEvent, JobRequest
 
 from genpool.workers.intake import Parsed
-from genpool.workers.jobstate import InFlight
+from genpool.workers.jobstate import InFlight, engine_request_id
 from genpool.workers.lease import Fence, new_token
 from genpool.workers.outbox import Outbox
-from genpool.workers.streams import s
+from genpool.workers.streams import refused, s
 from genpool.schemas.scripts import CLAIM_LUA
 
 WRITES = ("run", "check", "cancelled", "dead")  # verdicts that hold a lease and write for the job
@@ -32,7 +36,7 @@ log = logging.getLogger("genpool.worker")
 @dataclass
 class Verdict:
     parsed: Parsed
-    kind: str  # run | check | duplicate | finished | cancelled | dead | leased
+    kind: str  # run | check | duplicate | finished | cancelled | dead | leased | refused
     attempt: int = 1
     detail: str = ""
     suspect: int = 0  # how often a worker was lost while it shared that worker's batch
@@ -120,6 +124,9 @@ class Admitter:
         out = []
         for p in parsed:
             answer = answers.get(id(p), (b"dead", b"", 0, 0))
+            if refused(answer):  # the script wrote nothing (no lease taken): claim it again
+                out.append(Verdict(p, "refused", detail=str(answer)))
+                continue
             claimed = not isinstance(answer, Exception)
             if not claimed:  # this job alone (e.g. its hash clobbered): dead-letter the entry,
                 log.error("job %s: its ownership claim failed: %s", p.job_id, answer)
@@ -149,8 +156,12 @@ class Admitter:
             try:
                 self.r.xclaim(e.stream, self.keys.group, v.detail or self.name, 0,
                               [e.entry_id], justid=True)
-            except REDIS_DOWN as exc:  # it stays in our pending list, unheld: reclaimed later;
-                log.warning("job %s: hand-back failed (%s)", p.job_id, exc)  # go on with the rest
+            except redis.RedisError as exc:  # it stays in our pending list, unheld: reclaimed
+                if not (isinstance(exc, REDIS_DOWN) or refused(exc)):  # later; go on with the
+                    raise                                              # rest
+                log.warning("job %s: hand-back failed (%s)", p.job_id, exc)
+        elif v.kind == "refused":  # custody holds the entry and claims it again
+            pass
         elif v.kind == "cancelled":
             self.outbox.error(p.job_id, e, ErrorEvent(code="cancelled",
                                                       message="cancelled before it started"),
@@ -170,9 +181,10 @@ class Admitter:
     def start(self, engine, v: Verdict) -> Optional[InFlight]:
         """add_request; a request the engine refuses becomes an invalid_request error."""
         req, e = v.parsed.req, v.parsed.entry
+        engine_id = engine_request_id(req.id)
         try:
             prompt = v.prompt or to_engine_prompt(engine, req)
-            engine.add_request(req.id, prompt, make_params(req), priority=req.priority)
+            engine.add_request(engine_id, prompt, make_params(req), priority=req.priority)
         except ValueError as exc:
             self.outbox.error(req.id, e, ErrorEvent(code="invalid_request", message=str(exc)),
                               v.fence)
@@ -183,8 +195,10 @@ class Admitter:
                                                     message=f"{type(exc).__name__}: {exc}"),
                               v.fence)
             return None
+        n_prompt = len(prompt["prompt_token_ids"])
         job = InFlight(req=req, entry=e, attempt=v.attempt, admitted_at=time.time(),
-                       prompt_tokens=len(prompt["prompt_token_ids"]), fence=v.fence)
+                       prompt_tokens=n_prompt, fence=v.fence, engine_id=engine_id,
+                       max_len=min(n_prompt + req.max_tokens, engine.max_model_len))
         if v.attempt > 1 or e.deliveries > 1:
             self.outbox.restart(req.id, f"rerun (attempt {v.attempt}) after its worker was lost",
                                 v.fence)
@@ -192,8 +206,10 @@ class Admitter:
 
 
 def blocks_needed(job: InFlight, block_size: int) -> int:
-    """Upper bound on the KV blocks a job can hold (prefix sharing only lowers it)."""
-    return job.req.n * math.ceil((job.prompt_tokens + job.req.max_tokens) / block_size)
+    """Upper bound on the KV blocks a job can hold (prefix sharing only lowers it): prompt +
+    max_tokens as the engine caps them to the model's length (job.max_len), or a max_tokens far
+    beyond it (10**6) would count as more than the whole cache and admit no one else."""
+    return job.req.n * math.ceil(job.max_len / block_size)
 
 
 def free_capacity(stats: EngineStats, inflight: list[InFlight], max_seqs: int, kv_total: int,

@@ -2,7 +2,8 @@
 worker, cancels, and the intake of new entries (prepared inline or on the preparer's thread).
 
 A mixin of Worker (workers/worker.py), kept apart so the loop reads top to bottom; it uses the
-worker's engine, outbox, admitter, inflight map and counters.
+worker's engine, outbox, admitter, inflight map and counters, and Recovery's handling of writes
+Redis refused (workers/recovery.py).
 """
 from __future__ import annotations
 
@@ -17,8 +18,28 @@ from genpool.workers.intake import Entry, Parsed, parse_entry
 from genpool.workers.lease import Lease, LeaseKeeper
 from genpool.workers.preparer import Preparer, private_tokenizer
 from genpool.workers.publisher import Publisher
+from genpool.workers.streams import WritesRefused
 
 log = logging.getLogger("genpool.worker")
+
+
+class Intake(Preparer):
+    """The preparer, plus the prepared entries whose ownership claim Redis refused (a write
+    refused: OOM, NOREPLICAS). They stay held (kept fresh: a reclaim would count a delivery of
+    a job that never ran, and enough of those dead-letter it) and are claimed again with the
+    next admission; they count as pending, so the worker pulls no more than it can run."""
+
+    def __init__(self, prepare):
+        super().__init__(prepare)
+        self.unclaimed: list[Parsed] = []
+
+    @property
+    def pending(self) -> int:
+        return super().pending + len(self.unclaimed)
+
+    def ready(self) -> list[Parsed]:
+        out, self.unclaimed = self.unclaimed + super().ready(), []
+        return out
 
 
 class Custody:
@@ -28,13 +49,13 @@ class Custody:
         self.keeper = LeaseKeeper(r, keys, self.name, cfg.claim_idle_ms,
                                   min(cfg.heartbeat_s, cfg.claim_idle_ms / 3000),
                                   self._beat)
-        self.publisher = Publisher(self.outbox, r, on_lost=self.keeper.lost)
+        self.publisher = Publisher(self.outbox, r, self.keeper)
         tok = engine.tokenizer
         longest = longest_token_chars(tok)  # 2x: room for a normalizer that shortens text
         self.max_prompt_chars = 2 * longest * engine.max_model_len if longest else None
         own_tok = private_tokenizer(tok)
-        self.preparer = Preparer(lambda e: prepare(engine, parse_entry(e, cfg.served_models),
-                                                   own_tok, self.max_prompt_chars))
+        self.preparer = Intake(lambda e: prepare(engine, parse_entry(e, cfg.served_models),
+                                                 own_tok, self.max_prompt_chars))
         # jobs that shared the batches of two lost workers run alone, one at a time (CLAIM_LUA)
         self.solo_queue: deque[Verdict] = deque()
         self.solo_job: Optional[str] = None
@@ -74,7 +95,8 @@ class Custody:
             return
         unsettled = {id(p.entry): p for p in parsed}
         try:
-            for v in self.admitter.verdicts(parsed):
+            verdicts = self.admitter.verdicts(parsed)
+            for v in verdicts:
                 self._settle(v)
                 del unsettled[id(v.parsed.entry)]
         except BaseException:
@@ -84,8 +106,18 @@ class Custody:
             for p in unsettled.values():
                 self.keeper.drop(p.entry, p.job_id)
             raise
+        refusals = [v.detail for v in verdicts if v.kind == "refused"]
+        if refusals:  # claimed again at the next admission; an idle loop waits a moment first
+            # (not raised: the rest of this step, the sending of its results included, goes on)
+            self._writes_refused(WritesRefused(f"{len(refusals)} claims refused; first: "
+                                               f"{refusals[0]}"),
+                                 pause=not self.engine.has_unfinished_requests())
 
     def _settle(self, v: Verdict) -> None:
+        if v.kind == "refused":  # nothing written, no lease taken: held, and claimed again
+            v.parsed.entry.origin = ""  # routed once already: not handed off on the retry
+            self.preparer.unclaimed.append(v.parsed)
+            return
         self.observers.emit("job_received", v)
         e, job_id = v.parsed.entry, v.parsed.job_id
         if v.fence is not None:
@@ -141,7 +173,7 @@ class Custody:
             log.warning("job %s: another worker holds it now; dropping it unanswered", job_id)
             self.counts["lost"] += 1
             if job is not None:
-                self.engine.abort_request(job_id)
+                self.engine.abort_request(job.engine_id)
                 self.keeper.drop(job.entry, job_id)
             for v in queued:
                 self.keeper.drop(v.parsed.entry, job_id)
@@ -154,7 +186,7 @@ class Custody:
         if self.inflight or self.solo_queue:
             log.warning("releasing %d unfinished jobs to other workers",
                         len(self.inflight) + len(self.solo_queue))
-            self.engine.abort_request(list(self.inflight))
+            self.engine.abort_request([job.engine_id for job in self.inflight.values()])
             for job in self.inflight.values():
                 self.outbox.release(job.id, job.fence)
             for v in self.solo_queue:

@@ -1,6 +1,7 @@
 """What a worker remembers about each job it has put into its engine."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -9,6 +10,20 @@ from genpool.schemas import Choice, JobRequest, ResultEvent, Timings, TokenEvent
 
 from genpool.workers.intake import Entry
 from genpool.workers.lease import Fence
+
+_attempts = itertools.count(1)
+
+
+def engine_request_id(job_id: str) -> str:
+    """A fresh engine request id for one attempt at a job: the job id and a number unique in this
+    process. The engine returns an abort's output at its next step, so an attempt aborted when its
+    lease was lost can still answer after the same worker reran the job; under its own id, the
+    rerun never takes that answer for its own (its own engine request would run on, orphaned)."""
+    return f"{job_id}#{next(_attempts)}"
+
+
+def job_id_of(engine_id: str) -> str:
+    return engine_id.rpartition("#")[0]  # the number after the last '#' is ours; ids may hold '#'
 
 
 @dataclass
@@ -24,6 +39,8 @@ class InFlight:
     first_token_at: Optional[float] = None
     ttft_steps: Optional[int] = None  # engine steps that ended between arrival and first token
     fence: Fence = Fence("", 0)  # this attempt's lease token (workers/lease.py)
+    engine_id: str = ""  # this attempt's request id in the engine (engine_request_id)
+    max_len: int = 0  # prompt + max_tokens as the engine caps them: what one sample may hold
 
     @property
     def id(self) -> str:

@@ -1,11 +1,15 @@
 """Everything a worker writes to Redis during one step, sent in one pipelined round trip.
 
 Every write for a job is fenced (workers/lease.py, FENCE_LUA): it lands only while this worker's
-attempt still owns the job, atomically with the check. A terminal write (result or error) is
-acknowledged on its lane stream (XACK + XDEL) in a second round trip, and only when the fenced
-write succeeded: an entry is never acknowledged without its result stored, a worker that lost a
-job can never acknowledge it, and a crash between the two leaves the entry pending for the next
-worker, which finds the job finished and only acknowledges it.
+attempt still owns the job, atomically with the check. A job's ops in one batch go in one fenced
+call (its tokens and the result after them land together, or not at all). A terminal write
+(result or error) is acknowledged on its lane stream (ACK_LUA: XACK + XDEL, with the dead letter
+if there is one, first) in a second round trip, and only when the fenced write succeeded: an
+entry is never acknowledged without its result stored, a worker that lost a job can never
+acknowledge it, and a crash between the two leaves the entry pending for the next worker, which
+finds the job finished and only acknowledges it.
+A write Redis refuses (OOM under memory pressure, NOREPLICAS, READONLY: workers/streams.py) wrote
+nothing, so `send` hands it back, in order, to be sent again as it was; its entry stays pending.
 If the round trip fails (Redis gone), `after_failure` turns the lost batch into something safe to
 resend: every affected job gets a `restart` plus its whole text so far, then its final writes.
 On a Redis Cluster the same holds: each fenced script touches one job's two keys (one slot), the
@@ -22,12 +26,14 @@ import redis
 
 from genpool.schemas.connection import REDIS_DOWN, is_cluster
 from genpool.schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
+from genpool.schemas.keys import hash_tag
 
 from genpool.workers.intake import Entry
 from genpool.workers.jobstate import InFlight
 from genpool.workers.lease import Fence, fence_call
-from genpool.schemas.scripts import FENCE_LUA
+from genpool.schemas.scripts import ACK_LUA, FENCE_LUA
 from genpool.workers.observe import Observers
+from genpool.workers.streams import WritesRefused, refused
 
 log = logging.getLogger("genpool.worker")
 
@@ -45,6 +51,8 @@ class _Op:
     entry: Optional[Entry] = None  # acknowledged once the op (if fenced) landed
     dead: Optional[dict] = None  # dead-letter fields, added with the ack
     job: Optional[InFlight] = None
+    refusal: Optional[Exception] = None  # Redis refused it (last time it was sent)
+    held: bool = False  # queued again after a refusal, its entry (and lease) held meanwhile
 
 
 class Outbox:
@@ -55,7 +63,7 @@ class Outbox:
         self.events_maxlen, self.dead_maxlen = events_maxlen, dead_maxlen
         self.result_ttl_s, self.job_ttl_s = result_ttl_s, job_ttl_s
         self.ops: list[_Op] = []
-        self._sha: Optional[str] = None
+        self._shas: dict[str, str] = {}  # script -> SHA loaded on this server (not on a cluster)
         # told of every job's end: result() and error() run once per job, resends never do
         self.observers = Observers()
 
@@ -119,63 +127,124 @@ class Outbox:
         ops, self.ops = self.ops, []
         return ops
 
-    def _queue(self, pipe, op: _Op) -> None:
+    @staticmethod
+    def _calls(ops: list[_Op]) -> list[list[_Op]]:
+        """The fenced calls for `ops`: a job's events, and the final write after them, go in
+        one call, so Redis applies or refuses them together (a result can never land when a
+        token before it was refused). A release, or another attempt's op, starts a new call."""
+        calls: list[list[_Op]] = []
+        run: dict[str, Optional[list[_Op]]] = {}
+        for op in ops:
+            cur = run.get(op.job_id)
+            if cur is not None and op.kind in ("events", "final") and op.fence == cur[0].fence:
+                cur.append(op)
+            else:
+                cur = [op]
+                calls.append(cur)
+            run[op.job_id] = cur if op.kind == "events" else None
+        return calls
+
+    def _queue(self, pipe, call: list[_Op]) -> None:
+        op, events = call[-1], [ev for o in call for ev in o.events]
         if op.kind == "events":
-            args = [self.events_maxlen, self.job_ttl_s, *op.events]
+            args = [self.events_maxlen, self.job_ttl_s, *events]
         elif op.kind == "final":
             args = [self.events_maxlen, self.result_ttl_s, *op.final, f"{time.time():.6f}",
-                    self.worker, *op.events]
+                    self.worker, *events]
         else:  # release
             args = []
-        fence_call(pipe, self._sha, self.keys, op.job_id, op.fence.token, op.kind, *args)
+        fence_call(pipe, self._shas.get(FENCE_LUA), self.keys, op.job_id, op.fence.token,
+                   op.kind, *args)
 
-    def _ack(self, pipe, op: _Op) -> None:
-        if op.dead is not None:
-            pipe.xadd(self.keys.dead, op.dead, maxlen=self.dead_maxlen, approximate=True)
-        if op.entry is not None:  # deleting acked entries keeps XLEN = queued + pending
-            pipe.xack(op.entry.stream, self.keys.group, op.entry.entry_id)
-            pipe.xdel(op.entry.stream, op.entry.entry_id)
-
-    def send(self, r, ops: list[_Op]) -> set[str]:
+    def send(self, r, ops: list[_Op]) -> tuple[set[str], list[_Op]]:
         """Send `ops` (fenced writes, then the acks they earned). Returns the ids of jobs whose
-        lease is gone (their writes were refused). Raises redis errors on connection loss."""
+        lease is gone (the fence refused their writes), and the ops Redis refused (each with its
+        `refusal`), in order, to send again. Raises redis errors on connection loss."""
         fenced = [op for op in ops if op.fence is not None]
-        res = self._run_fenced(r, fenced) if fenced else []
         lost: set[str] = set()
+        again: list[_Op] = []
         earned = [op for op in ops if op.fence is None]
-        for op, x in zip(fenced, res):
+        calls = self._calls(fenced)
+        for call, x in zip(calls, self._execute(r, calls, self._queue, FENCE_LUA)):
             if x == 1:
-                if op.kind == "final":
-                    earned.append(op)
+                earned += [op for op in call if op.kind == "final"]
+            elif refused(x):  # it wrote nothing: send it again as it was
+                for op in call:
+                    op.refusal = x
+                again += call
             elif isinstance(x, Exception):  # e.g. WRONGTYPE on a key a client clobbered
-                log.error("job %s: %s write failed: %s", op.job_id, op.kind, x)
+                log.error("job %s: %s write failed: %s", call[0].job_id, call[-1].kind, x)
             else:
-                lost.add(op.job_id)
+                lost.add(call[0].job_id)
         if earned:
-            pipe = r.pipeline(transaction=False)
-            for op in earned:
-                self._ack(pipe, op)
-            bad = [x for x in pipe.execute(raise_on_error=False) if isinstance(x, Exception)]
-            for x in bad:
-                if isinstance(x, REDIS_DOWN):
-                    raise x
-            if bad:
-                log.error("%d acknowledgements failed; first: %s", len(bad), bad[0])
-        return lost
+            again += self._acknowledge(r, [op for op in earned if op.entry is not None])
+        return lost, again
 
-    def _run_fenced(self, r, ops: list[_Op]) -> list:
-        if self._sha is None and not is_cluster(r):
-            self._sha = r.script_load(FENCE_LUA)
+    def _acknowledge(self, r, ops: list[_Op]) -> list[_Op]:
+        """ACK_LUA for each op's entry, its dead letter first in the same script. On a cluster
+        an entry of lane shard k > 0 is in another slot than the dead stream: its dead letter
+        goes alone first, and only an entry whose dead letter landed is acknowledged. Returns
+        what Redis refused, as ack/dead ops to send again."""
+        apart = [op for op in ops if op.dead is not None and is_cluster(r)
+                 and hash_tag(op.entry.stream) != hash_tag(self.keys.dead)]
+        alone = {id(op) for op in apart}
+        todo = [(op, op.dead) for op in ops if id(op) not in alone]
+        again: list[_Op] = []
+        failed: list = []
+        if apart:
+            def dead_letter(pipe, op):
+                pipe.xadd(self.keys.dead, op.dead, maxlen=self.dead_maxlen, approximate=True)
+            for op, x in zip(apart, self._execute(r, apart, dead_letter)):
+                if not isinstance(x, Exception):
+                    todo.append((op, None))
+                elif refused(x):
+                    again.append(self._ack_op(op, op.dead, x))
+                else:
+                    failed.append(x)
+        for (op, dead), x in zip(todo, self._execute(r, todo, self._queue_ack, ACK_LUA)):
+            if refused(x):
+                again.append(self._ack_op(op, dead, x))
+            elif isinstance(x, Exception):
+                failed.append(x)
+        if failed:
+            log.error("%d acknowledgements failed; first: %s", len(failed), failed[0])
+        return again
+
+    def _queue_ack(self, pipe, item: tuple) -> None:
+        op, dead = item
+        keys = [op.entry.stream] + ([self.keys.dead] if dead is not None else [])
+        args = [self.keys.group, op.entry.entry_id, self.dead_maxlen]
+        for k, v in (dead or {}).items():
+            args += [k, v]
+        if is_cluster(pipe):  # redis-py refuses EVALSHA in cluster pipelines
+            pipe.execute_command("EVAL", ACK_LUA, len(keys), *keys, *args)
+        else:
+            pipe.evalsha(self._shas[ACK_LUA], len(keys), *keys, *args)
+
+    @staticmethod
+    def _ack_op(op: _Op, dead: Optional[dict], refusal: Exception) -> _Op:
+        """The acknowledgement still owed for `op` (its fenced write, if any, landed)."""
+        return _Op("dead" if dead is not None else "ack", op.job_id, entry=op.entry, dead=dead,
+                   refusal=refusal, held=op.held)
+
+    def _execute(self, r, items: list, queue, script: Optional[str] = None) -> list:
+        """One pipeline of `queue(pipe, item)` for each item; answers in order, errors as
+        values, except a lost connection, which is raised. A script Redis forgot (a restart,
+        SCRIPT FLUSH) is loaded and those items sent again."""
+        if not items:
+            return []
+        if script is not None and script not in self._shas and not is_cluster(r):
+            self._shas[script] = r.script_load(script)
         pipe = r.pipeline(transaction=False)
-        for op in ops:
-            self._queue(pipe, op)
+        for item in items:
+            queue(pipe, item)
         res = pipe.execute(raise_on_error=False)
         retry = [i for i, x in enumerate(res) if isinstance(x, redis.exceptions.NoScriptError)]
-        if retry:  # Redis restarted or flushed its scripts: load it and send those again
-            self._sha = r.script_load(FENCE_LUA)
+        if retry and script is not None:
+            self._shas[script] = r.script_load(script)
             pipe = r.pipeline(transaction=False)
             for i in retry:
-                self._queue(pipe, ops[i])
+                queue(pipe, items[i])
             for i, x in zip(retry, pipe.execute(raise_on_error=False)):
                 res[i] = x
         for x in res:
@@ -184,9 +253,12 @@ class Outbox:
         return res
 
     def flush(self, r) -> set[str]:
-        """Send everything now (on failure the ops stay queued for after_failure)."""
-        lost = self.send(r, self.ops)
-        self.ops = []
+        """Send everything now (on failure the ops stay queued for after_failure). What Redis
+        refuses stays queued too, and WritesRefused is raised: the caller tries again."""
+        lost, again = self.send(r, self.ops)
+        self.ops = again
+        if again:
+            raise WritesRefused(f"{len(again)} writes refused; first: {again[0].refusal}")
         return lost
 
     def after_failure(self, live: list[InFlight]) -> None:

@@ -12,15 +12,19 @@ from typing import Optional
 import redis
 
 from genpool.schemas.connection import REDIS_DOWN, backoff
-from genpool.workers.streams import ensure_groups, publish_shards, reclaim
+from genpool.workers.streams import ensure_groups, publish_shards, reclaim, refused
 
 log = logging.getLogger("genpool.worker")
+
+REFUSED_RETRY_S = 0.2  # how long the loop waits after Redis refused writes, before trying again
+REFUSED_LOG_S = 10.0  # at most one warning this often while the refusals go on
 
 
 class Recovery:
     def _init_recovery(self) -> None:
         self.next_upkeep = 0.0
         self.reclaim_owed = False  # a reclaim check found no free slot (see upkeep)
+        self._refusal_said = -REFUSED_LOG_S  # when refused writes were last warned about
 
     def upkeep(self) -> None:
         """Take over the jobs of dead peers (idle past claim_idle_ms). A check that finds no
@@ -54,13 +58,32 @@ class Recovery:
             self.outbox.after_failure(list(self.inflight.values()))
             self._reconnect(attempts)
         except redis.ResponseError as e:
-            if "NOGROUP" in str(e) or "UNBLOCKED" in str(e):
+            if refused(e):
+                self._writes_refused(e)
+            elif "NOGROUP" in str(e) or "UNBLOCKED" in str(e):
                 log.warning("lane streams or groups vanished (%s); recreating", e)
                 self._guarded(lambda: ensure_groups(self.r, self.keys))
             else:  # e.g. a key of the wrong type: keep serving, but loudly and not in a hot loop
                 log.error("Redis refused a command: %s", e)
                 self._stop_event.wait(1.0)
         return False
+
+    def _writes_refused(self, e: redis.ResponseError, pause: bool = True) -> None:
+        """Redis is up but takes no writes (memory pressure, too few replicas, a replica): like
+        a lost connection, every job and entry is kept, and what was refused (queued again in
+        the outbox, or held for a new claim) is sent again after a short wait (`pause`)."""
+        self.counts["refused"] = self.counts.get("refused", 0) + 1
+        now = time.monotonic()
+        if now - self._refusal_said >= REFUSED_LOG_S:
+            self._refusal_said = now
+            log.warning("Redis refuses writes (%s); keeping every job, trying again every %.1f s "
+                        "(%d refusals so far)", e, REFUSED_RETRY_S, self.counts["refused"])
+        if not pause:
+            return
+        if self.stopping:  # the stop event is set for good now: it would not wait at all
+            time.sleep(REFUSED_RETRY_S)
+        else:
+            self._stop_event.wait(REFUSED_RETRY_S)
 
     def _reconnect(self, attempts: Optional[int]) -> None:
         delays = backoff(0.1, 5.0)

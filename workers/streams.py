@@ -1,4 +1,5 @@
-"""Consumer-side Redis stream plumbing: groups, reading entries, claiming and reclaiming."""
+"""Consumer-side Redis stream plumbing: groups, reading entries, claiming and reclaiming, and
+telling a refused write from a lost connection."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +7,7 @@ import logging
 import redis
 
 from genpool.schemas import Keys
+from genpool.schemas.keys import check_memory_policy
 
 from genpool.workers.intake import Entry
 from genpool.schemas.scripts import SHARDS_LUA
@@ -15,9 +17,37 @@ log = logging.getLogger("genpool.worker")
 
 META_TTL_S = 30 * 86400  # refreshed by every worker start and reconnect
 
+# Error replies of a live server that takes no writes for now: memory pressure under noeviction
+# (OOM), too few replicas (NOREPLICAS), a replica or a demoted master (READONLY), a failed save
+# with stop-writes-on-bgsave-error (MISCONF). A refused command wrote nothing, a refused script
+# too (Redis refuses a script at its first write, never after it began), so what was refused is
+# sent again as it was. Scripts' refusals come back wrapped: "Error running script ...: -OOM ..."
+# on Redis 6.2, "OOM ... script: ..." on 7.
+REFUSALS = ("OOM", "NOREPLICAS", "READONLY", "MISCONF")
+
+
+class WritesRefused(redis.ResponseError):
+    """Redis refused some of this step's writes; they are queued again (raised so the loop
+    waits a moment before it tries again, as it would for a lost connection)."""
+
+
+def refused(x) -> bool:
+    """Whether a reply (an exception object or anything else) is a refused write."""
+    if isinstance(x, (WritesRefused, redis.exceptions.OutOfMemoryError,
+                      redis.exceptions.ReadOnlyError)):
+        return True
+    if not isinstance(x, redis.ResponseError):
+        return False
+    # a raised pipeline error quotes the command (client data) first: judge the reply only
+    reply = str(x).rsplit("of pipeline caused error: ", 1)[-1]
+    return reply.startswith(REFUSALS) or any(f": -{code} " in reply for code in REFUSALS)
+
 
 def publish_shards(r, keys: Keys) -> Keys:
-    """Record this worker's --lane-shards (never lowering it); Keys for every shard to read."""
+    """Record this worker's --lane-shards (never lowering it); Keys for every shard to read.
+    Run at every start and reconnect, so it first checks the server's maxmemory-policy (a
+    failover may bring another server): any but noeviction loses jobs (schemas/keys.py)."""
+    check_memory_policy(r, log)
     n = int(r.eval(SHARDS_LUA, 1, keys.meta, keys.lane_shards, META_TTL_S))
     if n != keys.lane_shards:
         log.warning("lane shards: this worker was started with %d but the deployment has %d; "

@@ -23,7 +23,7 @@ from genpool.workers.admission import Admitter, free_capacity
 from genpool.workers.custody import Custody
 from genpool.workers.heartbeat import Heartbeat
 from genpool.workers.intake import Entry
-from genpool.workers.jobstate import InFlight
+from genpool.workers.jobstate import InFlight, job_id_of
 from genpool.workers.observe import Observers
 from genpool.workers.outbox import Outbox
 from genpool.workers.recovery import Recovery
@@ -217,7 +217,7 @@ class Worker(Custody, Recovery):
 
     def _abort(self, job_id: str, ev: ErrorEvent) -> None:
         job = self.inflight.pop(job_id)
-        self.engine.abort_request(job_id)
+        self.engine.abort_request(job.engine_id)
         self.outbox.error(job_id, job.entry, ev, job.fence, job)
         self.keeper.drop(job.entry, job_id)
         self.counts["failed"] += 1
@@ -235,8 +235,10 @@ class Worker(Custody, Recovery):
         self.publisher.submit(self.outbox.take())
 
     def _collect(self, out) -> None:
-        job = self.inflight.get(out.request_id)
-        if job is None:  # cancelled or expired: already answered
+        job = self.inflight.get(job_id_of(out.request_id))
+        # None: cancelled or expired, already answered. Another engine id: an earlier attempt's
+        # output (its lease was lost, then this worker reran the job), never this attempt's
+        if job is None or job.engine_id != out.request_id:
             return
         if out.prompt_token_ids:
             job.prompt_tokens = len(out.prompt_token_ids)

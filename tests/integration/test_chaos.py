@@ -3,10 +3,11 @@
 - thousands of random and extreme parameter combinations straight through the engine (tiny model
   for volume, SmolLM2 where the numbers depend on real logits): no uncaught exception, every
   request ends with output or a clear error;
-- worker processes SIGKILLed, SIGSTOPped past the claim window and resumed, and a Redis restart
-  (our own redis-server on a port in 7300-7399), each with jobs in flight, plus hostile entries
-  mixed in: every job ends with exactly one terminal event, nothing after it, no two attempts'
-  tokens interleaved, nothing pending (tests/chaos_helpers.py).
+- worker processes SIGKILLed, SIGSTOPped past the claim window and resumed, a Redis restart
+  (our own redis-server on a port in 7300-7399), memory pressure under noeviction and writes
+  refused (NOREPLICAS), each with jobs in flight, plus hostile entries mixed in: every job ends
+  with exactly one terminal event, nothing after it, no two attempts' tokens interleaved, no
+  token missing from what its reader saw, nothing pending (tests/chaos_helpers.py).
 Set GENPOOL_CHAOS_REPORT=<file> to get one JSON line per scenario (docs/results.md's table).
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from genpool.producer import Client
 from tests.chaos_helpers import pool_problems
 from tests.pool_helpers import drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for
 from tests.tiny_tokenizer import VOCAB_SIZE as VOCAB  # the tiny model's vocabulary
+from tests.worker.refusal_helpers import (memory_pressure, reader_text, refusals,
+                                          refused_writes)
 
 SEED = 16
 
@@ -216,7 +219,10 @@ def hostile_entries(c: Client, rng: random.Random, n: int) -> list[str]:
     return ids
 
 
-def run_scenario(name: str, url: str, tmp_path, fault, n_jobs: int = 120, n_bad: int = 12):
+def run_scenario(name: str, url: str, tmp_path, fault, n_jobs: int = 120, n_bad: int = 12,
+                 restarts: bool = True):
+    """`restarts`: the fault must make some job start over (a refused write is resent as it
+    was, so those faults show in Redis' error counts instead)."""
     rng = random.Random(f"{SEED}-{name}")
     prefix = new_prefix("chaos")
     c = Client(url, prefix)
@@ -229,7 +235,7 @@ def run_scenario(name: str, url: str, tmp_path, fault, n_jobs: int = 120, n_bad:
         bad = hostile_entries(c, rng, n_bad)
         wait_for(lambda: sum(c.redis.exists(c.keys.events(j.id)) for j in jobs) >= 30,
                  timeout=60, what="jobs in flight")
-        fault(pool, c)
+        seen = fault(pool, c) or {}  # what the fault measured, for the report
         results = [j.result(timeout=180) for j in jobs]
         errors = [c.job(jid).result(timeout=60, raise_on_error=False).error for jid in bad]
         wait_for(lambda: not pool_problems(c, jobs), timeout=30, what="a settled queue")
@@ -239,15 +245,18 @@ def run_scenario(name: str, url: str, tmp_path, fault, n_jobs: int = 120, n_bad:
                      for j in jobs}
         restarted = sum(any('"type":"restart"' in f["event"]
                             for _, f in c.redis.xrange(c.keys.events(j.id))) for j in jobs)
+        missing = sum(reader_text(c, j.id) != r.text for j, r in zip(jobs, results))
         row = {"scenario": name, "tried": n_jobs + n_bad, "restarted": restarted,
                "lost": sum(len(t) == 0 for t in terminals.values()),
                "duplicated": sum(len(t) > 1 for t in terminals.values()),
                "stuck": sum(v["queued"] + v["pending"] for v in c.status()["lanes"].values()),
-               "worker_deaths": pool.deaths(),
-               "problems": len(problems)}
+               "worker_deaths": pool.deaths(), "missing_tokens": missing,
+               "dead_letters": c.redis.xlen(c.keys.dead), "problems": len(problems), **seen}
         report(row)
         assert problems == {}, problems
-        assert restarted > 0, "the fault hit no job in flight"
+        assert missing == 0, f"{missing} readers missed tokens"
+        assert row["dead_letters"] == n_bad - len(bad), "a hostile entry's dead letter"
+        assert restarted > 0 or not restarts, "the fault hit no job in flight"
         assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
         assert all(e is not None and e.code == "invalid_request" for e in errors), errors
         return pool, row
@@ -302,6 +311,31 @@ def test_chaos_redis_restart(own_redis, tmp_path):
 
     pool, _ = run_scenario("redis-restart", own_redis["server"].url, tmp_path, fault)
     assert pool.deaths() == 0
+
+
+def test_chaos_memory_pressure(own_redis, tmp_path):
+    """Issue 28 item 1: maxmemory below used_memory under noeviction for 3 claim windows
+    (new writes refused with OOM, deletes and reads allowed), then lifted."""
+    def fault(pool, c):
+        with memory_pressure(c.redis):
+            time.sleep(3.0)
+        return {"refusals": refusals(c.redis, "OOM")}
+
+    pool, row = run_scenario("memory-pressure", own_redis["server"].url, tmp_path, fault,
+                             restarts=False)
+    assert pool.deaths() == 0 and row["refusals"] > 0
+
+
+def test_chaos_refused_writes(own_redis, tmp_path):
+    """Issue 28 item 6: every write refused (min-replicas-to-write 1, no replica) for 2 s."""
+    def fault(pool, c):
+        with refused_writes(c.redis):
+            time.sleep(2.0)
+        return {"refusals": refusals(c.redis, "NOREPLICAS")}
+
+    pool, row = run_scenario("refused-writes", own_redis["server"].url, tmp_path, fault,
+                             restarts=False)
+    assert pool.deaths() == 0 and row["refusals"] > 0
 
 
 def test_chaos_huge_inputs_do_not_stall_a_real_worker(redis_url, tiny_llama_long_path, tmp_path):

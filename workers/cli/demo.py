@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from genpool.schemas.config import HELP_FMT, add_connection_args
-from genpool.schemas.connection import delete_prefix
+from genpool.schemas.connection import delete_prefix, redact
 
 
 def register(sub) -> None:
@@ -89,7 +89,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     url, server = ensure_redis(a.redis)
-    print(f"[redis] {url}" + (" (embedded server started)" if server else ""), file=sys.stderr)
+    print(f"[redis] {redact(url)}" + (" (embedded server started)" if server else ""),
+          file=sys.stderr)
     first = lookup(a.model) is not None and not is_pulled(a.model)
     print(f"[model] {a.model}: " + ("first use: downloading and converting it (a minute or "
                                     "two)..." if first else "resolving..."), file=sys.stderr)

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "status": "genpool.producer.cli:register_status",
     "job": "genpool.producer.cli_jobs:register_job",
     "dead": "genpool.producer.cli_jobs:register_dead",
+    "lanes": "genpool.producer.cli_lanes:register_lanes",
     "worker": "genpool.workers.cli.worker:register_worker",
     "demo": "genpool.workers.cli.demo:register",
     "batch": "genpool.producer.cli_bulk:register_batch",
@@ -32,6 +33,7 @@ SUMMARIES: dict[str, str] = {
     "status": "queue depth per lane, jobs in flight, live workers, dead letters",
     "job": "one job by id: show its state, stream its tokens, print its result, cancel it",
     "dead": "the dead-letter stream: list entries, retry them, purge them",
+    "lanes": "lane streams: check them, repair one that refuses new jobs (ids ran out)",
     "worker": "run a resident worker: Redis lane streams -> engine (needs the `worker` extra)",
     "demo": "one-command tour: Redis, a worker and the model, then a streamed summary",
     "batch": "run an OpenAI Batch API .jsonl file through the pool (resumable)",
@@ -95,20 +97,23 @@ def explain(name: str, args: argparse.Namespace, err: BaseException) -> tuple[st
     """(one line for the user, exit code) for an error a command did not handle itself."""
     import redis
 
+    from genpool.schemas.connection import redact, redact_text
+
     if isinstance(err, ImportError):
         return missing_extra(err), 2
+    text = redact_text(str(err))  # the terminal (and whatever logs it) never sees a password
     if isinstance(err, (redis.ConnectionError, redis.TimeoutError)):
         from genpool.schemas.config import redis_url
 
-        url = getattr(err, "url", None) or redis_url(getattr(args, "redis", None))
-        return (f"cannot reach Redis at {url} ({err}). Start Redis, or point genpool at one with "
-                f"--redis URL or GENPOOL_REDIS_URL (`genpool worker` and `genpool demo` start an "
-                f"embedded one when none answers)"), 5
+        url = redact(getattr(err, "url", None) or redis_url(getattr(args, "redis", None)))
+        return (f"cannot reach Redis at {url} ({text}). Start Redis, or point genpool at one "
+                f"with --redis URL or GENPOOL_REDIS_URL (`genpool worker` and `genpool demo` "
+                f"start an embedded one when none answers)"), 5
     if isinstance(err, redis.RedisError):
-        return f"Redis refused the command: {err}", 5
+        return f"Redis refused the command: {text}", 5
     if isinstance(err, (ValueError, FileNotFoundError, RuntimeError, OSError)):
-        return str(err), 2
-    return f"{type(err).__name__}: {err} (run with --debug for the traceback)", 1
+        return text, 2
+    return f"{type(err).__name__}: {text} (run with --debug for the traceback)", 1
 
 
 def _show_client_warnings() -> None:

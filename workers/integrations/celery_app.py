@@ -22,7 +22,9 @@ from celery.exceptions import Ignore, Reject
 
 from genpool.producer import Client
 from genpool.schemas.config import key_prefix, redis_url
+from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
 
+from genpool.workers.integrations.celery_guard import GuardedTask
 from genpool.workers.integrations.flower_events import CELERY_MARK, REVOKED_CODES
 
 # `celery -A genpool.workers.integrations.celery_app flower` imports this module before Flower reads FLOWER_* options:
@@ -83,6 +85,8 @@ def _config(url: str, queue: str) -> dict:
         task_default_queue=queue, task_routes={TASK_NAME: {"queue": queue}},
         result_extended=True, result_expires=86400, broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
+        # reject a task message Celery cannot read instead of dying of it (celery_guard.py)
+        worker_consumer="genpool.workers.integrations.celery_guard:GuardedConsumer",
     )
 
 
@@ -133,14 +137,17 @@ class GenerationError(Exception):
         return f"{self.code}: {self.message}"
 
 
-@app.task(name=TASK_NAME, bind=True, acks_late=True, track_started=True)
+@app.task(name=TASK_NAME, bind=True, acks_late=True, track_started=True, base=GuardedTask)
 def generate(self, prompt: Optional[str] = None, *, raise_on_error: bool = True,
              **fields: Any) -> dict:
     """Same fields as `producer.Client.submit`: prompt or messages, SamplingParams names, model,
     priority, deadline, job_id (default: this task's id), metadata. Returns a JSON dict: job_id,
     text, token_ids, finish_reason, usage, timings, choices, worker, error (null). A job that ends
     in an error raises GenerationError (state FAILURE), or with raise_on_error=False returns the
-    dict with `error` set; a cancelled or expired job is REVOKED."""
+    dict with `error` set; a cancelled or expired job is REVOKED. A priority below the
+    gateway's ceiling (schemas.request.CALLER_PRIORITY_CEILING) fails the task."""
+    # a Celery caller is no more trusted than an HTTP one: the gateway's priority ceiling
+    check_priority(fields.get("priority"), CALLER_PRIORITY_CEILING, "a genpool.generate task")
     fields["job_id"] = fields.get("job_id") or self.request.id
     meta = dict(fields.pop("metadata", None) or {})
     meta[CELERY_MARK] = self.request.id  # the genpool worker leaves its Flower events to us
