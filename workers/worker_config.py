@@ -38,7 +38,7 @@ class WorkerConfig:
     lane_shards: int = field(default=1, metadata=_opt(
         "lane streams per priority, each in its own Redis Cluster hash slot, so intake spreads over "
         "nodes; workers read every shard, and the count recorded in Redis only ever grows "
-        "(docs/deployment.md)"))
+        "(docs/operations.md)"))
     prefix_routing: bool = field(default=True, metadata=_opt(
         "prefix-aware routing: publish this worker's cached KV blocks, and hand a newly pulled job "
         "to the live peer that caches more of its prompt when that is cheaper (docs/design.md)"))

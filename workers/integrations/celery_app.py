@@ -4,7 +4,7 @@ The task body does not generate anything itself. It submits the job onto genpool
 stream with `genpool.producer.Client` (the job id is the Celery task id, so tokens stream on
 `<p>:job:{<task id>}:events` too) and waits for the job's result, which it returns through the Celery
 result backend. Whichever genpool worker reads the job runs it in its engine's batch together with
-every stream job: one engine per worker process, never one per task. docs/celery.md has the why.
+every stream job: one engine per worker process, never one per task. docs/decisions/0008-celery-task-forwards.md has the why.
 
     celery -A genpool.workers.celery worker -P threads -c 64 -Q genpool   # forwarders only, or
     genpool worker --model ... --celery                                # engine + Celery in one
