@@ -13,15 +13,16 @@ import redis.asyncio as aredis
 
 from genpool.schemas import TERMINAL, JobResult, Keys
 
-from .client import PIPELINE_CHUNK
+from .client import PIPELINE_CHUNK, added, lane_refused
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.connection import backoff, connect_async, is_cluster, xread_one
 from .errors import JobFailed
 from .liveness import live_workers_async, serving
 from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
 from genpool.schemas.connection import stored_shards
-from genpool.schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
-from .replay import Replay
+from genpool.schemas.scripts import (CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA,
+                                     SUBMIT_UNDO_LUA)
+from .replay import Gaps, Replay, read_events
 from .waiting import RECONNECT_S, Watch, final_result
 
 # (a cluster's MOVED after a resharding: the next try goes to the key's new node)
@@ -77,6 +78,7 @@ class AsyncJob:
         watch = Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
                       c.reconnect_s)
         last, delays = start, backoff()
+        gaps = Gaps(start)  # events the stream's cap dropped before this reader got to them
         while True:
             try:
                 if watch.check_due():
@@ -97,8 +99,8 @@ class AsyncJob:
                     raise
                 resp = None
                 await asyncio.sleep(next(delays))
-            for entry_id, ev in events_in(resp):
-                last = entry_id
+            for entry_id, ev in read_events(resp, gaps):
+                last = entry_id or last
                 yield ev
                 if ev.type in TERMINAL:
                     return
@@ -236,12 +238,18 @@ class AsyncClient:
         pipe = self.redis.pipeline(transaction=False)
         for req in fresh:
             pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
-        entries = dict(zip((req.id for req in fresh), await pipe.execute() if fresh else []))
+        replies = await pipe.execute(raise_on_error=False) if fresh else []
+        entries, refused = added(fresh, replies)
         pipe = self.redis.pipeline(transaction=False)
         for job_id, entry in entries.items():
             pipe.hsetnx(keys.job(job_id), "entry", entry)
-        if entries:
+        for req, _ in refused:  # nothing may stay behind for an id whose XADD was refused
+            pipe.execute_command("EVAL", SUBMIT_UNDO_LUA, 1, keys.job(req.id), now)
+        if entries or refused:
             await pipe.execute()
+        if refused:
+            req, err = refused[0]
+            raise lane_refused(keys.submit_stream(req.id, req.lane), err)
         return [entries.get(req.id) for req in chunk]
 
     def job(self, job_id: str, model: Optional[str] = None) -> AsyncJob:

@@ -146,10 +146,15 @@ def follow(job, timeout, as_json: bool, cmd: str) -> int:
     """Stream a job's tokens to stdout and its summary to stderr; the exit code says how it ended."""
     from .errors import NoWorkers, QueueUnavailable
 
+    trimmed = 0
     try:
         for ev in job.stream(timeout=timeout, raise_on_error=False):
             if ev.type == "restart":
                 print("\n[restarted]", file=sys.stderr)
+            elif ev.type == "trimmed":
+                trimmed += ev.events
+                print(f"\n[{ev.events} events were trimmed from the job's stream before they "
+                      f"were read: text is missing here]", file=sys.stderr)
             elif not as_json:
                 print(ev.text, end="", flush=True)
         res = job.result(timeout=timeout, raise_on_error=False)
@@ -177,6 +182,9 @@ def follow(job, timeout, as_json: bool, cmd: str) -> int:
         print(f"\n[{res.finish_reason}; {res.usage.prompt_tokens} prompt + "
               f"{res.usage.completion_tokens} completion tokens; ttft {t.ttft_s or 0:.3f} s, "
               f"total {t.total_s:.3f} s; job {job.id}]", file=sys.stderr)
+    if trimmed and not as_json:  # the result has it all: say where to get it
+        print(f"[the text above misses {trimmed} trimmed events; `genpool job result {job.id}` "
+              f"prints all of it]", file=sys.stderr)
     return 0
 
 

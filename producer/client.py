@@ -6,16 +6,18 @@ from typing import Any, Iterator, Optional
 
 import redis
 
-from genpool.schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent
+from genpool.schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent, TrimmedEvent
 
 from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import backoff, connect, is_cluster, queue_script, xread_one
+from genpool.schemas.connection import (REDIS_DOWN, backoff, connect, is_cluster, queue_script,
+                                        xread_one)
 from .errors import JobFailed
 from .liveness import live_workers, serving
 from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
 from genpool.schemas.connection import stored_shards
-from genpool.schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA
-from .replay import Replay
+from genpool.schemas.scripts import (CANCEL_FLAG_LUA, CANCEL_LUA, LANE_REFUSED, SUBMIT_JOB_LUA,
+                                     SUBMIT_LUA, SUBMIT_UNDO_LUA)
+from .replay import Gaps, Replay, read_events
 from .waiting import RECONNECT_S, Watch, final_result
 
 PIPELINE_CHUNK = 500
@@ -51,9 +53,11 @@ class Job:
 
     def events(self, timeout: Optional[float] = None, start: str = "0-0",
                no_worker_s: Optional[float] = None) -> Iterator[Any]:
-        """Raw events from `start` up to and including the terminal one (reconnects on loss)."""
+        """Raw events from `start` up to and including the terminal one (reconnects on loss),
+        with a TrimmedEvent where the stream's cap dropped events before they were read."""
         r, key = self.client.redis, self.client.keys.events(self.id)
         watch, last, delays = self._watch(timeout, no_worker_s), start, backoff()
+        gaps = Gaps(start)  # events the stream's cap dropped before this reader got to them
         while True:
             try:
                 if watch.check_due():
@@ -65,17 +69,20 @@ class Job:
                 watch.redis_failed(e)
                 resp = None
                 time.sleep(next(delays))
-            for entry_id, ev in events_in(resp):
-                last = entry_id
+            for entry_id, ev in read_events(resp, gaps):
+                last = entry_id or last
                 yield ev
                 if ev.type in TERMINAL:
                     return
             watch.after_read()
 
     def stream(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
-               no_worker_s: Optional[float] = None) -> Iterator[TokenEvent | RestartEvent]:
-        """Token events from the start; a RestartEvent only if a rerun diverged (see replay.py).
-        Ends normally on a result or a cancel; raises JobFailed on any other error."""
+               no_worker_s: Optional[float] = None
+               ) -> Iterator[TokenEvent | RestartEvent | TrimmedEvent]:
+        """Token events from the start; a RestartEvent only if a rerun diverged (see replay.py);
+        a TrimmedEvent where this reader fell so far behind that the stream's cap dropped events
+        unread (their text is then missing here, never from `result()`). Ends normally on a
+        result or a cancel; raises JobFailed on any other error."""
         replay = Replay()
         for raw in self.events(timeout, no_worker_s=no_worker_s):
             for ev in replay.feed(raw):
@@ -134,6 +141,25 @@ class Job:
         return self.client.redis.hgetall(self.client.keys.job(self.id))
 
 
+def added(fresh: list, replies: list) -> tuple[dict, list]:
+    """A Cluster submit's XADD replies: ({job id: entry id}, [(request, error)] refused). A
+    lost connection is raised (the XADD may have landed: the retried submit completes it)."""
+    entries, refused = {}, []
+    for req, reply in zip(fresh, replies):
+        if isinstance(reply, REDIS_DOWN):
+            raise reply
+        if isinstance(reply, Exception):
+            refused.append((req, reply))
+        else:
+            entries[req.id] = reply
+    return entries, refused
+
+
+def lane_refused(stream: str, err: Exception) -> redis.ResponseError:
+    """What a Cluster submit raises when its lane refused the XADD (SUBMIT_LUA's words)."""
+    return redis.ResponseError(f"lane stream {stream} refused the job: {err} ({LANE_REFUSED})")
+
+
 def _retrying(fn, attempts: int = 8):
     delays = backoff()
     for i in range(attempts):
@@ -161,6 +187,7 @@ class Client:
         self.job_ttl_s = job_ttl_s
         self._submit = self.redis.register_script(SUBMIT_LUA)
         self._submit_job = self.redis.register_script(SUBMIT_JOB_LUA)
+        self._submit_undo = self.redis.register_script(SUBMIT_UNDO_LUA)
         self._cancel = self.redis.register_script(CANCEL_LUA)
         self._cancel_flag = self.redis.register_script(CANCEL_FLAG_LUA)
         self._shards_known = False
@@ -238,12 +265,17 @@ class Client:
         pipe = self.redis.pipeline(transaction=False)
         for req in fresh:
             pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
-        entries = dict(zip((req.id for req in fresh), pipe.execute() if fresh else []))
+        entries, refused = added(fresh, pipe.execute(raise_on_error=False) if fresh else [])
         pipe = self.redis.pipeline(transaction=False)
         for job_id, entry in entries.items():
             pipe.hsetnx(keys.job(job_id), "entry", entry)
-        if entries:
+        for req, _ in refused:  # nothing may stay behind for an id whose XADD was refused
+            queue_script(pipe, self._submit_undo, [keys.job(req.id)], [now])
+        if entries or refused:
             pipe.execute()
+        if refused:
+            req, err = refused[0]
+            raise lane_refused(keys.submit_stream(req.id, req.lane), err)
         return [entries.get(req.id) for req in chunk]
 
     def job(self, job_id: str, model: Optional[str] = None) -> Job:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import redis
 from pydantic import ValidationError
 
 from genpool.schemas import JobRequest, describe_validation_error
@@ -26,58 +27,75 @@ def retry_dead(c, ids: Optional[list[str]]) -> tuple[list[tuple[str, str]], list
     """Re-enqueue each chosen entry's job under its own id: its old job hash and event stream are
     dropped first (their terminal dead_lettered event would end any new reader at once), then
     the job is submitted as a fresh one (its hash says `retry_of` = the dead-letter entry id);
-    the dead letter is deleted. Entries whose payload is not a valid job (junk, truncated) are
-    refused and kept.
-
-    One server: all of it in one MULTI. A cluster: one-slot steps, so each is atomic on its own
-    and a retry cut off anywhere can be run again without enqueueing the job twice (see
-    `_retry_cluster`)."""
+    the dead letter is deleted. Refused and kept: entries whose payload is not a valid job
+    (junk, truncated), entries naming a job that is not dead (anyone can XADD a dead letter: a
+    retry never replaces a queued, running or finished job), and entries whose lane refuses
+    the submit. Each retry is three one-slot steps (see `_retry`), on one server as on a
+    Cluster, so a retry cut off anywhere can be run again without enqueueing the job twice."""
     entries = dead_entries(c, count=c.redis.xlen(c.keys.dead) or 1, ids=ids)
     c.lane_keys()  # the lane shards workers read: a retried job is spread like a fresh submit
     done, refused = [], []
     for d in entries:
-        try:
-            req = JobRequest.model_validate_json(d.get("payload", ""))
-        except ValidationError as e:
-            why = describe_validation_error(e) if e.title == "JobRequest" else str(e)
-            if any(err["type"] == "json_invalid" for err in e.errors()):
-                why = "it holds no job JSON (a junk entry); purge it"
-            refused.append((d["entry"], f"its payload is not a valid job: {why}"))
-            continue
-        (_retry_cluster if c.cluster else _retry_single)(c, d["entry"], req)
-        done.append((d["entry"], req.id))
+        req, why = _job_of(d)
+        why = why or _retry(c, d["entry"], req)
+        if why:
+            refused.append((d["entry"], why))
+        else:
+            done.append((d["entry"], req.id))
     if ids is not None:
         found = {d["entry"] for d in entries}
         refused += [(i, "no such dead-letter entry") for i in ids if i not in found]
     return done, refused
 
 
-def _retry_single(c, entry: str, req: JobRequest) -> None:
-    """Drop, submit, XDEL in one MULTI: it happens entirely or not at all."""
-    k = c.keys
-    pipe = c.redis.pipeline(transaction=True)
-    pipe.delete(k.job(req.id), k.events(req.id))
-    c._submit(keys=[k.job(req.id), k.submit_stream(req.id, req.lane)],
-              args=submit_args(req, c.job_ttl_s), client=pipe)
-    pipe.hset(k.job(req.id), "retry_of", entry)
-    pipe.xdel(k.dead, entry)
-    pipe.execute()
+def _job_of(d: dict) -> tuple[Optional[JobRequest], str]:
+    try:
+        return JobRequest.model_validate_json(d.get("payload", "")), ""
+    except ValidationError as e:
+        why = describe_validation_error(e) if e.title == "JobRequest" else str(e)
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            why = "it holds no job JSON (a junk entry); purge it"
+        return None, f"its payload is not a valid job: {why}"
 
 
-def _retry_cluster(c, entry: str, req: JobRequest) -> None:
-    """Three one-slot steps, the dead letter last, so an interrupted retry leaves it to run again:
-    1. RETRY_RESET_LUA in the job's `{id}` slot drops its hash and events and marks the fresh
-       hash `retry_of` = entry; it answers 0 when that mark and an `entry` are already there (an
-       earlier run of this retry enqueued it), and then nothing is enqueued again;
-    2. the client's cluster submit (SUBMIT_JOB_LUA, XADD on the job's lane shard, HSETNX entry),
-       which completes a submit cut off half-way;
+def _retry(c, entry: str, req: JobRequest) -> str:
+    """Three one-slot steps, the dead letter last, so an interrupted retry leaves it to run
+    again; returns why it was refused ("" when the job is queued again):
+    1. RETRY_RESET_LUA in the job's `{id}` slot: refuses a job that is not dead, else drops its
+       hash and events and marks the fresh hash `retry_of` = entry; it answers 0 when that mark
+       and an `entry` are already there (an earlier run of this retry enqueued it);
+    2. the submit (SUBMIT_LUA; on a Cluster SUBMIT_JOB_LUA, XADD on the job's lane shard,
+       HSETNX entry, which completes a submit cut off half-way): a lane that refuses it stores
+       nothing, and the dead letter stays;
     3. XDEL of the dead letter in the `{prefix}` slot."""
     k = c.keys
     reset = c.redis.register_script(RETRY_RESET_LUA)
-    if _retrying(lambda: reset(keys=[k.job(req.id), k.events(req.id)],
-                               args=[entry, c.job_ttl_s])):
-        _retrying(lambda: c._enqueue_cluster([req]))
+    go = _retrying(lambda: reset(keys=[k.job(req.id), k.events(req.id)],
+                                 args=[entry, c.job_ttl_s]))
+    if isinstance(go, (str, bytes)):
+        state = go.decode() if isinstance(go, bytes) else go
+        return f"job {req.id} is {state}: a retry never replaces a job that is not dead"
+    if go:
+        try:
+            queued = _retrying(lambda: _submit(c, req))
+        except redis.ResponseError as e:
+            return f"not queued: {e}"
+        # None: the id existed; it is this retry's own (a reply lost, the submit retried)
+        # when it carries this letter's mark, else another submit took the id meanwhile
+        mark = c.redis.hget(k.job(req.id), "retry_of") if queued is None else entry
+        if mark not in (entry, entry.encode()):
+            return f"job {req.id} was submitted again meanwhile, not by this retry"
     _retrying(lambda: c.redis.xdel(k.dead, entry))
+    return ""
+
+
+def _submit(c, req: JobRequest):
+    """The client's own submit of one request: its entry id, or None when the id exists."""
+    if c.cluster:
+        return c._enqueue_cluster([req])[0]
+    k = c.keys
+    return c._submit(keys=[k.job(req.id), k.submit_stream(req.id, req.lane)],
+                     args=submit_args(req, c.job_ttl_s))
 
 
 def purge_dead(c, ids: Optional[list[str]]) -> int:

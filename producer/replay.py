@@ -5,14 +5,20 @@ reruns are greedy or seeded, so they regenerate the text already shown; repeatin
 terminal that printed it. `Replay` therefore swallows re-sent text that matches what was shown and
 passes on only the new part. Only when a rerun diverges does the reader get a RestartEvent (its
 `.text` is empty), followed by the rerun's full text so far.
+
+A job's stream is capped (MAXLEN ~16,384 entries), so a reader that falls further behind loses the
+oldest events unread. Workers number every entry (field `seq`: 1, 2, ...), and `read_events`
+puts a TrimmedEvent where the numbers jump, so such a reader is told, not handed a silent gap.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Iterator, Optional, Union
 
-from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent
+from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent, TrimmedEvent
 
-AnyEvent = Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent]
+from .protocol import decode_event
+
+AnyEvent = Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent, TrimmedEvent]
 
 
 class _Track:
@@ -73,3 +79,41 @@ class Replay:
             if t.text or t.ids:
                 out.append(TokenEvent(index=index, text=t.text, token_ids=list(t.ids)))
         return out
+
+
+class Gaps:
+    """Follows the `seq` numbers of one reader's entries (docs/protocol.md, "Reading a job's
+    output"): a jump from k to k + 1 + n means n events were trimmed before it read them."""
+
+    def __init__(self, start: str = "0-0"):
+        # read from the start: the first entry must be number 1; from elsewhere, the first
+        # entry read sets where counting starts
+        self.last: Optional[int] = 0 if start in ("0", "0-0") else None
+
+    def check(self, fields) -> Optional[TrimmedEvent]:
+        seq = _seq(fields)
+        gap = (TrimmedEvent(events=seq - self.last - 1)
+               if seq is not None and self.last is not None and seq > self.last + 1 else None)
+        self.last = seq  # an entry without one (a worker before `seq`): nothing to count from
+        return gap
+
+
+def read_events(xread_reply, gaps: Gaps) -> Iterator[tuple[Optional[str], AnyEvent]]:
+    """(entry id, event) for every entry of an XREAD reply, with (None, TrimmedEvent) in front
+    of an entry whose number says events before it were trimmed unread."""
+    for _, entries in xread_reply or []:
+        for entry_id, fields in entries:
+            gap = gaps.check(fields)
+            if gap is not None:
+                yield None, gap
+            yield entry_id, decode_event(fields)
+
+
+def _seq(fields) -> Optional[int]:
+    if isinstance(fields, list):  # redis-py's cluster MULTI leaves stream replies unparsed
+        fields = dict(zip(fields[0::2], fields[1::2]))
+    raw = fields.get("seq", fields.get(b"seq"))
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None

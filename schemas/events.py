@@ -84,6 +84,17 @@ class ErrorEvent(_Wire):
     message: str
 
 
+class TrimmedEvent(_Wire):
+    """Never on the wire: what the Python client yields where a job's event stream lost events
+    to its length cap (MAXLEN, `genpool worker --events-maxlen`) before this reader read them:
+    a reader that fell more than the cap behind. Their text is missing from what was streamed
+    (and only there: the result event carries the whole completion). docs/protocol.md tells
+    how a reader detects it."""
+    type: Literal["trimmed"] = "trimmed"
+    events: int  # how many events were dropped unread
+    text: str = ""  # so a reader that concatenates `.text` can treat every event alike
+
+
 Event = Annotated[Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent],
                   Field(discriminator="type")]
 EventAdapter: TypeAdapter = TypeAdapter(Event)

@@ -9,12 +9,11 @@ one lookup over all workers is one slot on a Redis Cluster.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Optional
 
-from genpool.workers.streams import s
+from genpool.schemas.routing import PeerLoad, parse_peer_load
 
 log = logging.getLogger("genpool.worker")
 
@@ -36,6 +35,7 @@ class PrefixIndex:
         self.ttl_s = max(5, int(10 * interval_s + 1))
         self._published: Optional[set[int]] = None  # what the SET holds (None: rewrite it all)
         self.publishes = 0
+        self._bad: set[bytes] = set()  # peers left out for a bad entry, already warned about
 
     def publish(self, hashes: list[int], load: dict) -> None:
         """Bring the SET to `hashes` by difference (never empty in between: a reader racing a
@@ -53,7 +53,8 @@ class PrefixIndex:
         if drop:
             pipe.srem(key, *drop)
         pipe.expire(key, self.ttl_s)
-        pipe.hset(self.keys.route_load, self.name, json.dumps({**load, "at": now}))
+        # through the model readers parse with, so what a worker publishes always reads back
+        pipe.hset(self.keys.route_load, self.name, PeerLoad(**load, at=now).model_dump_json())
         pipe.zadd(self.keys.route_workers, {self.name: now})
         pipe.expire(self.keys.route_load, REGISTRY_TTL_S)
         pipe.expire(self.keys.route_workers, REGISTRY_TTL_S)
@@ -85,27 +86,43 @@ class PrefixIndex:
         pipe.execute()
         self._published = None
 
-    def peers(self) -> tuple[dict[str, dict], int]:
-        """({name: load summary} of the fresh peers, how many registered peers were stale)."""
+    def peers(self) -> tuple[dict[str, PeerLoad], int]:
+        """({name: load} of the fresh peers, how many registered peers were left out: stale,
+        without a load entry, or with one that does not parse)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.zrange(self.keys.route_workers, 0, -1, withscores=True)
         pipe.hgetall(self.keys.route_load)
         members, loads = pipe.execute()
-        now, fresh, stale = time.time(), {}, 0
-        loads = {s(k): v for k, v in loads.items()}
-        for name, at in members:
-            name = s(name)
-            if name == self.name:
+        now, fresh, left_out = time.time(), {}, 0
+        loads = {_raw(k): v for k, v in loads.items()}
+        for member, at in members:
+            name = _raw(member)
+            if name == self.name.encode():
                 continue
-            try:
-                doc = json.loads(loads[name])
-            except (KeyError, ValueError, TypeError):
-                doc = None
-            if doc is None or now - float(at) > self.stale_s:
-                stale += 1
+            load = self._parse(name, loads.get(name))
+            if load is None or now - float(at) > self.stale_s:
+                left_out += 1
                 continue
-            fresh[name] = doc
-        return fresh, stale
+            fresh[name.decode()] = load
+        self._bad &= set(loads)  # gone: a bad entry under that name later is news again
+        return fresh, left_out
+
+    def _parse(self, name: bytes, raw: Optional[bytes]) -> Optional[PeerLoad]:
+        """The peer's load, or None. Anyone can HSET the hash, so a bad entry costs only its
+        peer: left out of routing, with one warning until it parses again (not one per job
+        routed, nor per publish of a buggy peer)."""
+        try:
+            name.decode()  # (the name becomes part of keys and consumer names)
+            load, why = parse_peer_load(raw)
+        except UnicodeDecodeError:
+            load, why = None, "its name is not UTF-8"
+        if load is not None:
+            self._bad.discard(name)
+        elif raw is not None and name not in self._bad:
+            self._bad.add(name)
+            log.warning("prefix routing: leaving peer %r out: its routing entry does not parse "
+                        "(%s): %.200r", name.decode(errors="replace"), why, raw)
+        return load
 
     def cached_tokens(self, names: list[str], hash_lists: list[list[int]],
                       block_size: int) -> list[dict[str, int]]:
@@ -124,3 +141,7 @@ class PrefixIndex:
                 hit += 1
             out[i][n] = hit * block_size
         return out
+
+
+def _raw(v) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()

@@ -26,6 +26,7 @@ import redis
 
 from genpool.engine.block_manager import prompt_block_hashes
 from genpool.schemas import LANES
+from genpool.schemas.routing import PeerLoad
 
 from genpool.workers.intake import Entry, Parsed
 from genpool.workers.routing import HOWS, Candidate, RouteParams, route
@@ -55,7 +56,7 @@ class Router:
         self.counts.update(handed_off=0, handed_in=0)
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._next_publish = 0.0
-        self._view: dict[str, dict] = {}
+        self._view: dict[str, PeerLoad] = {}
         self._view_stale = 0
         self._view_at = -1e9
         self._sent: dict[str, list[float]] = {}  # peer -> times of our hand-offs to it
@@ -190,9 +191,8 @@ class Router:
                 return max(len(ids) - cached, bs) + gen
             local = Candidate(self.w.name, here, local_free, len(self.backlog), per_job(here),
                               self.w.max_seqs)
-            others = [Candidate(n, hits.get(n, 0), int(d.get("free", 0)), int(d.get("backlog", 0)),
-                                per_job(hits.get(n, 0)), int(d.get("slots", 1)))
-                      for n, d in peers.items()]
+            others = [Candidate(n, hits.get(n, 0), d.free, d.backlog, per_job(hits.get(n, 0)),
+                                d.slots) for n, d in peers.items()]
             d = route(len(ids), local, others, p.entry.lane == "high", self.params, index_ok)
             self.counts[f"routed_{d.how}"] += 1
             log.debug("route %s: %s %s (cost %.0f, here %.0f; %d tokens, cached %s)", p.job_id,
@@ -233,18 +233,17 @@ class Router:
             log.debug("handed %d jobs to %s (cached prefix)", len(ps), peer)
         return {id(p) for ps in gone.values() for p in ps}
 
-    def _peers(self) -> dict[str, dict]:
+    def _peers(self) -> dict[str, PeerLoad]:
         """Fresh, compatible peers (cached for half a publish interval, with our hand-offs since
         each peer's last publish added to its backlog)."""
         now = time.monotonic()
         if now - self._view_at >= self.index.interval_s / 2:
             fresh, self._view_stale = self.index.peers()
             model, bs = self._model(), self.bm.block_size
-            self._view = {n: d for n, d in fresh.items()
-                          if d.get("model") == model and d.get("block_size") == bs}
+            self._view = {n: d for n, d in fresh.items() if d.model == model and d.block_size == bs}
             self._view_at = now
             for n, d in self._view.items():
-                sent = [t for t in self._sent.get(n, []) if t > float(d.get("at", 0))]
+                sent = [t for t in self._sent.get(n, []) if t > d.at]
                 self._sent[n] = sent
                 _charge(d, len(sent))
             for n in [n for n in self._sent if n not in self._view]:
@@ -281,7 +280,7 @@ class Router:
             if self.backlog:
                 self._view_at = -1e9
                 peers = self._peers()
-                target = min(peers, key=lambda n: int(peers[n].get("backlog", 0)), default=None)
+                target = min(peers, key=lambda n: peers[n].backlog, default=None)
                 entries = list(self.backlog)
                 self.backlog.clear()
 
@@ -304,11 +303,10 @@ class Router:
                 "prefix_routing": self.enabled}
 
 
-def _charge(load: dict, n: int) -> None:
+def _charge(load: PeerLoad, n: int) -> None:
     """Count n jobs we handed a peer into our copy of its load: they take its free slots
     first (it starts them at once), then queue in its backlog."""
-    free = int(load.get("free", 0))
-    take = min(max(free, 0), n)
-    load["free"] = free - take
-    load["backlog"] = int(load.get("backlog", 0)) + n - take
+    take = min(load.free, n)
+    load.free -= take
+    load.backlog += n - take
 

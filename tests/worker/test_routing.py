@@ -148,7 +148,7 @@ def test_index_publish_and_lookup(rkeys):
     a.publish(chain[:8], {"free": 2, "backlog": 0, "block_size": 16, "model": "m"})
     b.publish(chain[:3] + [12345], {"free": 0, "backlog": 1, "block_size": 16, "model": "m"})
     peers, stale = a.peers()
-    assert list(peers) == ["b"] and stale == 0 and peers["b"]["backlog"] == 1
+    assert list(peers) == ["b"] and stale == 0 and peers["b"].backlog == 1
     other = prompt_block_hashes([7] + list(range(1001, 1200)), 16)  # differs in token 0 only
     got = b.cached_tokens(["a", "b"], [chain, other, []], 16)
     assert got[0] == {"a": 128, "b": 48}
