@@ -31,7 +31,14 @@ else
     unset TRITON_INTERPRET  # compiled kernels, not the CPU interpreter
 fi
 mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# genpool.* from this checkout without installing it (a borrowed GPU machine may have no network for a
+# build): a directory of genpool/<folder> links, first on PYTHONPATH. Never the checkout root itself:
+# its folders would shadow other distributions' top-level names (transformers imports `kernels`).
+NS=$(mktemp -d)
+trap 'rm -rf "$NS"' EXIT
+mkdir "$NS/genpool"
+for d in engine kernels workers producer schemas; do ln -s "$PWD/$d" "$NS/genpool/$d"; done
+export PYTHONUNBUFFERED=1 PYTHONPATH="$NS${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 START=$(date +%s)
 FAILED=0
 ROWS="$OUT_DIR/rows.jsonl"

@@ -25,6 +25,7 @@ from genpool.schemas import JobResult
 from .client import Client
 from .openai_format import ENDPOINTS, APIError, OpenAIRequest, completion_body, parse_body
 from .pipeline import Poller, poll_results
+from .progress import make_progress
 
 BATCH_PRIORITY = 1  # the bulk lane: interactive work (gateway, priority < 0) goes first
 
@@ -95,6 +96,7 @@ class Output:
             os.close(self.fd)
             raise SystemExit(f"genpool batch: another run is writing {path}") from None
         self.done: set[str] = set()
+        self.failed: set[str] = set()  # the custom_ids in `done` whose line is an error
         self.lines: set[int] = set()  # input line numbers recorded without a custom_id
         self.cut_bytes = self._load()
 
@@ -108,14 +110,20 @@ class Output:
         for raw in data[:keep].splitlines():
             try:
                 obj = json.loads(raw)
-                cid = obj.get("custom_id")
-            except (ValueError, AttributeError):
+            except ValueError:
                 continue
-            if isinstance(cid, str):
-                self.done.add(cid)
-            elif isinstance(obj.get("line"), int):
-                self.lines.add(obj["line"])
+            if isinstance(obj, dict):
+                self._record(obj)
         return len(data) - keep
+
+    def _record(self, obj: dict) -> None:
+        cid = obj.get("custom_id")
+        if isinstance(cid, str):
+            self.done.add(cid)
+            if obj.get("error") is not None:
+                self.failed.add(cid)
+        elif isinstance(obj.get("line"), int):
+            self.lines.add(obj["line"])
 
     def write(self, obj: dict) -> None:
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode()
@@ -123,10 +131,7 @@ class Output:
         while view:
             view = view[os.write(self.fd, view):]
         os.fsync(self.fd)
-        if isinstance(obj.get("custom_id"), str):
-            self.done.add(obj["custom_id"])
-        elif isinstance(obj.get("line"), int):
-            self.lines.add(obj["line"])
+        self._record(obj)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -156,6 +161,7 @@ class Counts:
     errors: int = 0
     skipped: int = 0
     resumed: int = 0
+    failed_before: int = 0  # lines of this input an earlier run answered with an error
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -176,9 +182,12 @@ class BatchRun:
         # Without one, failures stay in the output (as before) and unusable lines only on stderr.
         self.errs = Output(errors_path) if errors_path else None
         done = self.out.done | (self.errs.done if self.errs else set())
-        self.counts = Counts(resumed=len(done))
+        self.counts = Counts(resumed=len(done) + len(self.errs.lines if self.errs else ()))
         self.inflight: dict[str, Line] = {}
         self.resumed = frozenset(done)  # custom_ids an earlier run finished: skipped quietly
+        # ...but a skipped failure is still a line without a success: the run must not pass.
+        # (It is not retried: its job id, derived from the file, would read back the same end.)
+        self.failed = frozenset(self.out.failed | (self.errs.done if self.errs else set()))
         self.seen: set[str] = set()  # custom_ids read by this run: a second one is reported
         self.bar = make_progress(self.total, self.counts.resumed, progress)
 
@@ -211,6 +220,7 @@ class BatchRun:
                 break
             line = parse_line(nxt[1], nxt[0], self.ident, self.model, self.priority)
             if isinstance(line, Line) and line.custom_id in self.resumed:
+                self.counts.failed_before += line.custom_id in self.failed
                 continue
             if isinstance(line, Line) and line.custom_id in self.seen:
                 self._skip(nxt[0], f"custom_id {line.custom_id!r} repeats an earlier line")
@@ -218,6 +228,8 @@ class BatchRun:
             if isinstance(line, str):
                 if self.errs is None or nxt[0] not in self.errs.lines:
                     self._skip(nxt[0], line)
+                else:  # recorded as unusable by an earlier run: quiet, but still no success
+                    self.counts.failed_before += 1
                 continue
             self.seen.add(line.custom_id)
             if line.error is not None:
@@ -270,28 +282,6 @@ class BatchRun:
 
     def _note(self, msg: str) -> None:
         self.bar.write(f"genpool batch: {msg}", file=sys.stderr)
-
-
-class _PlainProgress:
-    """Stand-in when tqdm is missing or progress is off: notes still reach stderr."""
-
-    def __init__(self, *_, **__): ...
-    def set_postfix(self, **_): ...
-    def update(self, _n): ...
-    def close(self): ...
-
-    @staticmethod
-    def write(msg, file=sys.stderr):
-        print(msg, file=file, flush=True)
-
-
-def make_progress(total: int, initial: int, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _PlainProgress()
-    return tqdm(total=total, initial=initial, unit="req", file=sys.stderr, dynamic_ncols=True,
-                smoothing=0.1, disable=not enabled, desc="batch")
 
 
 def run_batch(input_path: Union[str, Path], output_path: Union[str, Path], *,

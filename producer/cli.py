@@ -178,10 +178,9 @@ def follow(job, timeout, as_json: bool, cmd: str) -> int:
         print(f"\nerror ({res.error.code}): {res.error.message}", file=sys.stderr)
         return EXIT_FAILED
     if not as_json:
-        t = res.timings
-        print(f"\n[{res.finish_reason}; {res.usage.prompt_tokens} prompt + "
-              f"{res.usage.completion_tokens} completion tokens; ttft {t.ttft_s or 0:.3f} s, "
-              f"total {t.total_s:.3f} s; job {job.id}]", file=sys.stderr)
+        from .cli_jobs import end_summary
+
+        print(f"\n[{end_summary(job, res)}; job {job.id}]", file=sys.stderr)
     if trimmed and not as_json:  # the result has it all: say where to get it
         print(f"[the text above misses {trimmed} trimmed events; `genpool job result {job.id}` "
               f"prints all of it]", file=sys.stderr)

@@ -15,7 +15,8 @@ def register_batch(sub) -> None:
     p = sub.add_parser("batch", help="run an OpenAI Batch API .jsonl file through the pool "
                                      "(resumable: rerun the same command after a stop)",
                        description="Run an OpenAI Batch API .jsonl file through the pool. Exits 1 "
-                       "when any line failed or was unusable.", formatter_class=HELP_FMT)
+                       "while any line of the input failed or was unusable, in this run or an "
+                       "earlier one.", formatter_class=HELP_FMT)
     p.add_argument("input", type=Path, help="input .jsonl: custom_id, method, url, body per line")
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="output .jsonl; custom_ids already in it are skipped")
@@ -51,9 +52,12 @@ def cmd_batch(a: argparse.Namespace) -> int:
               "keep running and are picked up)", file=sys.stderr)
         return 130
     where = f" (in {a.errors_out})" if a.errors_out else ""
+    earlier = (f", {c.failed_before} of them failed (a rerun keeps their error; fresh output "
+               f"files and a new --batch-id run every line again)") if c.failed_before else ""
     print(f"genpool batch: {c.ok} completed, {c.errors} errors, {c.skipped} unusable lines "
-          f"skipped{where}, {c.resumed} already done", file=sys.stderr)
-    return 1 if c.errors or c.skipped else 0  # scripts must see that not every line succeeded
+          f"skipped{where}, {c.resumed} already done{earlier}", file=sys.stderr)
+    # scripts must see that not every line of the input succeeded, in this run or an earlier one
+    return 1 if c.errors or c.skipped or c.failed_before else 0
 
 
 def register_gateway(sub) -> None:

@@ -68,6 +68,40 @@ def job_view(c, job_id: str) -> dict | None:
     return view
 
 
+def end_summary(job, res) -> str:
+    """How a followed job ended, for its last line. A cancel carries no usage or timings (the
+    wire's cancel is a bare error event), so a cancelled job's come from what Redis recorded:
+    the tokens streamed, its first token event's entry time and the hash's timestamps."""
+    if res.finish_reason != "cancelled":
+        t = res.timings
+        ttft = "ttft unknown" if t.ttft_s is None else f"ttft {t.ttft_s:.3f} s"
+        return (f"{res.finish_reason}; {res.usage.prompt_tokens} prompt + "
+                f"{res.usage.completion_tokens} completion tokens; {ttft}, total {t.total_s:.3f} s")
+    c, n = job.client, len(res.token_ids)
+    submitted, finished = c.redis.hmget(c.keys.job(job.id), "submitted_at", "finished_at")
+    total = (f"total {float(finished) - float(submitted):.3f} s" if submitted and finished
+             else "total unknown")
+    if not n:
+        return f"cancelled before its first token; {total}"
+    first = _first_token_at(c, job.id)
+    ttft = (f"ttft {first - float(submitted):.3f} s" if first and submitted else "ttft unknown")
+    return (f"cancelled; prompt tokens unknown, {n} completion tokens before the cancel; "
+            f"{ttft}, {total}")
+
+
+def _first_token_at(c, job_id: str, look: int = 64) -> float | None:
+    """Unix time of the job's first token event (its entry id's milliseconds), if among the
+    stream's first `look` entries (a token is the first event but after a rerun's restart)."""
+    for entry_id, fields in c.redis.xrange(c.keys.events(job_id), count=look):
+        try:
+            kind = json.loads(fields.get("event") or "{}").get("type")
+        except (ValueError, AttributeError):
+            continue
+        if kind == "token":
+            return int(entry_id.split("-", 1)[0]) / 1000.0
+    return None
+
+
 def cmd_show(a: argparse.Namespace) -> int:
     c = _client(a)
     view = job_view(c, a.id)

@@ -238,8 +238,8 @@ class Client:
         return jobs
 
     def map(self, items, concurrency: int = 16, **common):
-        """Run every item (prompt string or dict of submit kwargs) with at most `concurrency`
-        jobs in flight; JobResults in input order (see genpool.producer.pipeline.map_prompts)."""
+        """Run every item (prompt string or dict of submit kwargs), `concurrency` jobs at most in
+        flight; JobResults in input order; timeout=, no_worker_s= as in Job.result (map_prompts)."""
         from genpool.producer.pipeline import map_prompts
 
         return map_prompts(self, items, concurrency=concurrency, **common)

@@ -13,7 +13,10 @@ from typing import Any, Callable, Iterable, Optional
 from genpool.schemas import JobResult
 
 from .client import Client, _retrying
+from .errors import NoWorkers, no_worker_target, worker_command
+from .liveness import live_workers, serving
 from .protocol import build_request, last_terminal, terminal_from_hash
+from .waiting import CHECK_S, log
 
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 
@@ -60,6 +63,48 @@ class Poller:
             time.sleep(self.delay)
 
 
+class MapWatch:
+    """What map says while it waits, as Job.result does for one job (waiting.py): a warning on
+    the genpool.client logger as soon as no live worker serves a model its unfinished jobs name
+    (once, until one serves it), NoWorkers at `timeout` or after `no_worker_s` without one,
+    TimeoutError at `timeout` while workers serve. The jobs stay queued either way."""
+
+    def __init__(self, client: Client, timeout: Optional[float], no_worker_s: Optional[float]):
+        self.client, self.timeout, self.no_worker_s = client, timeout, no_worker_s
+        self.t0 = self.next_check = time.monotonic()
+        self.deadline = None if timeout is None else self.t0 + timeout
+        self.unserved: dict[Optional[str], float] = {}  # model -> since when nobody serves it
+
+    def check(self, waiting: dict[Optional[str], list[str]]) -> None:
+        """`waiting`: model -> ids of its jobs not finished. Raises when the wait is over."""
+        now = time.monotonic()
+        over = self.deadline is not None and now >= self.deadline
+        if now >= self.next_check or over:  # the verdict at the deadline needs a fresh look
+            self._look(waiting, now)
+        prefix = self.client.keys.prefix
+        for model, since in self.unserved.items():
+            grace_over = self.no_worker_s is not None and now - since >= self.no_worker_s
+            if waiting.get(model) and (over or grace_over):
+                raise NoWorkers(waiting[model][0], model, prefix, now - self.t0)
+        if over:
+            raise TimeoutError(f"map: {sum(map(len, waiting.values()))} jobs not finished "
+                               f"within {self.timeout:g} s (they stay queued or running)")
+
+    def _look(self, waiting: dict[Optional[str], list[str]], now: float) -> None:
+        self.next_check = now + CHECK_S
+        c, prefix = self.client, self.client.keys.prefix
+        live = _retrying(lambda: live_workers(c.redis, c.keys))
+        for model, ids in waiting.items():
+            if serving(live, model):
+                if self.unserved.pop(model, None) is not None:
+                    log.info("map: a live worker serves %s now", no_worker_target(model, prefix))
+            elif model not in self.unserved:
+                self.unserved[model] = now
+                log.warning("map: %d jobs are queued, but no live worker serves %s; waiting "
+                            "(start one with `%s`)", len(ids), no_worker_target(model, prefix),
+                            worker_command(model, prefix))
+
+
 def _as_kwargs(item: Any, common: dict) -> dict:
     kw = {"prompt": item} if isinstance(item, str) else dict(item)
     kw = {**common, **kw}
@@ -70,11 +115,14 @@ def _as_kwargs(item: Any, common: dict) -> dict:
 
 def map_prompts(client: Client, items: Iterable[Any], *, concurrency: int = 16,
                 on_result: Optional[Callable[[int, JobResult], None]] = None,
+                timeout: Optional[float] = None, no_worker_s: Optional[float] = None,
                 **common: Any) -> list[JobResult]:
     """Run every item (a prompt string, or a dict of submit kwargs such as `messages`) with at
     most `concurrency` jobs in flight; results come back in input order. `common` kwargs (e.g.
     max_tokens, temperature) apply to every item unless the item sets its own. A failed job
-    yields a JobResult with `.error` set; invalid items raise ValueError before anything runs."""
+    yields a JobResult with `.error` set; invalid items raise ValueError before anything runs.
+    No live worker for the jobs' model is logged at once (genpool.client); `timeout` (the whole
+    map) and `no_worker_s` end the wait as in Job.result: NoWorkers or TimeoutError."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     todo = [_as_kwargs(item, common) for item in items]
@@ -84,7 +132,7 @@ def map_prompts(client: Client, items: Iterable[Any], *, concurrency: int = 16,
         raise ValueError("items repeat a job_id; each item needs its own")
     results: list[Optional[JobResult]] = [None] * len(todo)
     inflight: dict[str, int] = {}
-    nxt, poller = 0, Poller()
+    nxt, poller, watch = 0, Poller(), MapWatch(client, timeout, no_worker_s)
     while nxt < len(todo) or inflight:
         room = min(concurrency - len(inflight), len(todo) - nxt)
         if room > 0:
@@ -99,5 +147,14 @@ def map_prompts(client: Client, items: Iterable[Any], *, concurrency: int = 16,
                 on_result(i, res)
         if lost:
             client.submit_many([todo[inflight[jid]] for jid in lost])
+        if inflight:
+            watch.check(_by_model(todo, inflight))
         poller.wait(bool(done))
     return results  # type: ignore[return-value]
+
+
+def _by_model(todo: list[dict], inflight: dict[str, int]) -> dict[Optional[str], list[str]]:
+    out: dict[Optional[str], list[str]] = {}
+    for jid, i in inflight.items():
+        out.setdefault(todo[i].get("model"), []).append(jid)
+    return out

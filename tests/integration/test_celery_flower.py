@@ -227,3 +227,61 @@ def test_remote_shutdown_drains_and_exits(stack):
     wait_for(lambda: flower_status(stack).get(host) is False, 10, 0.25, f"{host} offline")
     log = (stack.logs / "a.log").read_text()
     assert "draining" in log and "stopped" in log
+
+
+# -- a Celery job the genpool worker turns down (fake engine: what is tested is the reporting) --
+@pytest.fixture
+def fake_celery(redis_url, tmp_path):
+    """Flower and one `genpool worker --celery` on the fake engine (serves model `fake`)."""
+    from genpool.workers.integrations.celery_app import make_app
+
+    prefix, port = new_prefix("cff"), free_port()
+    name = f"f-{prefix[-8:]}"
+    env = dict(os.environ, GENPOOL_REDIS_URL=redis_url, **ENV)
+    flower = subprocess.Popen(
+        [sys.executable, "-P", "-m", "celery", "-A", "genpool.workers.integrations.celery_app",
+         "flower", f"--port={port}", "--address=127.0.0.1"], cwd=ROOT, env=env,
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "flower.log", "wb"))
+    worker = spawn_worker(redis_url, prefix, "fake", name, "--engine-factory",
+                          "tests.fake_engine:make", "--served-model-name", "fake", "--celery",
+                          "--celery-queue", prefix, "--celery-concurrency", "4",
+                          "--heartbeat-s", "0.5", env=ENV, log_path=tmp_path / "worker.log")
+    st = SimpleNamespace(prefix=prefix, flower=f"http://127.0.0.1:{port}", host=f"genpool@{name}",
+                         caller=make_app(redis_url, prefix), client=Client(redis_url, prefix))
+    try:
+        wait_for(lambda: flower_up(st.flower), 60, 0.3, "Flower")
+        wait_for(lambda: flower_status(st).get(st.host), 120, 0.5, "the worker online in Flower")
+        yield st
+    finally:
+        for p in (worker, flower):
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+        st.client.redis.delete(prefix, f"_kombu.binding.{prefix}")
+        st.client.close()
+        drop_prefix(redis_url, prefix)
+
+
+def flower_failures(st) -> float:
+    """Flower's count of task-failed events from this test's worker (its /metrics)."""
+    with urllib.request.urlopen(st.flower + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("flower_events_total{") and 'type="task-failed"' in line
+               and f'worker="{st.host}"' in line)
+
+
+def test_a_celery_job_the_worker_rejects_is_one_genpool_generate_failure(fake_celery):
+    st = fake_celery
+    r = st.caller.send_task("genpool.generate", kwargs=dict(prompt="x", model="not-served",
+                                                            max_tokens=2))
+    with pytest.raises(Exception) as e:
+        r.get(timeout=60)
+    assert "unknown_model" in str(e.value)
+    wait_for(lambda: get_json(st.flower + "/api/tasks").get(r.id, {}).get("state") == "FAILURE"
+             and flower_failures(st) >= 1, 30, 0.3, "the failure in Flower")
+    time.sleep(2)  # a second report of the same failure would have arrived by now
+    task = get_json(st.flower + "/api/tasks")[r.id]
+    assert (task["name"], task["state"], task["worker"]) == ("genpool.generate", "FAILURE",
+                                                             st.host), task
+    assert flower_failures(st) == 1

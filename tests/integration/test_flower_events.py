@@ -79,6 +79,25 @@ def test_celery_jobs_duplicates_and_unknown_ends_are_left_alone():
     assert rec.sent == []
 
 
+def test_a_celery_job_the_worker_rejects_is_left_to_celery():
+    """A job the worker turns down (unknown model, prompt too long) reaches the observer without
+    a parsed request; when the Celery front door submitted it, the Celery worker reports it
+    (as genpool.generate): a genpool.stream report too would rename it and count it twice."""
+    import json
+
+    from genpool.workers.intake import Entry, parse_entry
+
+    ev, rec = make()
+    for job_id, meta in (("c2", {CELERY_MARK: "c2"}), ("s2", None)):
+        body = {"id": job_id, "prompt": "hi", "model": "not-served", "metadata": meta}
+        entry = Entry("p:jobs:{p}:normal", "normal", "1-0", {b"job": json.dumps(body).encode()})
+        p = parse_entry(entry, frozenset({"fake"}))
+        assert p.req is None and p.error.code == "unknown_model"
+        ev.job_received(SimpleNamespace(kind="check", attempt=1, parsed=p))
+        ev.job_failed(job_id, p.error)
+    assert [(t, f["uuid"]) for t, f in rec.sent] == [("task-received", "s2"), ("task-failed", "s2")]
+
+
 def test_heartbeats_follow_freq_and_only_when_asked():
     ev, rec = make(freq=0.05)
     ev.worker_started(WORKER)

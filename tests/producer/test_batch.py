@@ -190,3 +190,33 @@ def test_parse_line_sorts_lines():
     assert bad.error["param"] == "temperature" and bad.error["line"] == 2
     assert isinstance(parse_line(b"[1, 2]", 3, "f00d", None, 1), str)
     assert isinstance(parse_line(b'{"method": "POST"}', 4, "f00d", None, 1), str)
+
+
+@pytest.mark.parametrize("errors_out", [False, True], ids=["failures-in-output", "errors-out"])
+def test_a_rerun_exits_1_while_a_line_still_has_no_success(redis_url, tmp_path, errors_out):
+    """A rerun that finds every line already answered must not report success while an answer
+    is a failure (job ids are derived from the file, so the failed line fails again): it exits 1
+    and says how many of the lines done earlier failed. With --errors-out an unusable line is
+    recorded there by line number, and it still counts."""
+    prefix = new_prefix("batchrerun")
+    ok = {**valid_line(0), "custom_id": "ok"}
+    lines = [json.dumps(ok), json.dumps({"custom_id": "bad-temp", **INVALID["bad-temp"][0]})]
+    if errors_out:
+        lines.append('{"custom_id": "torn"')  # unusable: no custom_id can be read
+    inp, out, errs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    # what an earlier run wrote for the good line (so no worker is needed here)
+    out.write_text(json.dumps({"id": "batch_req_x", "custom_id": "ok", "error": None,
+                               "response": {"status_code": 200, "body": {}}}) + "\n")
+    cmd = batch_cmd(redis_url, prefix, inp, out) + ["--no-progress"]
+    cmd += ["--errors-out", str(errs)] if errors_out else []
+    try:
+        first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert first.returncode == 1, first.stderr
+        rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        drop_prefix(redis_url, prefix)
+    assert rerun.returncode == 1, rerun.stderr
+    failed = 2 if errors_out else 1
+    assert f"{failed} of them failed" in rerun.stderr, rerun.stderr
+    assert count_lines(out) + count_lines(errs) == len(lines)  # the rerun wrote nothing

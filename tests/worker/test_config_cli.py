@@ -109,8 +109,10 @@ def test_engine_logs_its_choices_once(tiny_llama_path, caplog):
     eng = LLM(str(tiny_llama_path), kernel_backend="torch", num_kv_blocks=8).llm_engine
     with caplog.at_level(logging.INFO, logger="genpool.worker"):
         log_engine_choice(eng)
-    # the worker's one line (the engine's own warning, 8 blocks capping max_model_len, aside)
-    (rec,) = [r for r in caplog.records if r.name == "genpool.worker"]
+    # the worker's one line (the engine's own warning, 8 blocks capping max_model_len, aside; and
+    # records other threads of this process log meanwhile: only this thread's count)
+    import threading
+    (rec,) = [r for r in caplog.records if r.name == "genpool.worker" and r.thread == threading.get_ident()]
     assert "device=cpu dtype=float32 kernels=torch kv_blocks=8x16" in rec.getMessage()
 
 

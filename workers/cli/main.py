@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "submit": "genpool.producer.cli:register_submit",
     "status": "genpool.producer.cli:register_status",
     "job": "genpool.producer.cli_jobs:register_job",
+    "jobs": "genpool.producer.cli_list:register_jobs",
     "dead": "genpool.producer.cli_jobs:register_dead",
     "lanes": "genpool.producer.cli_lanes:register_lanes",
     "worker": "genpool.workers.cli.worker:register_worker",
@@ -30,8 +31,9 @@ COMMANDS: dict[str, str] = {
 SUMMARIES: dict[str, str] = {
     "models": "list, pull or locate the models genpool knows (registry names and aliases)",
     "submit": "submit one job and stream its completion to the terminal",
-    "status": "queue depth per lane, jobs in flight, live workers, dead letters",
+    "status": "queue depth per lane, jobs in flight or cancelled, live workers, dead letters",
     "job": "one job by id: show its state, stream its tokens, print its result, cancel it",
+    "jobs": "list job ids by lane and state (queued, running, cancelled, finished)",
     "dead": "the dead-letter stream: list entries, retry them, purge them",
     "lanes": "lane streams: check them, repair one that refuses new jobs (ids ran out)",
     "worker": "run a resident worker: Redis lane streams -> engine (needs the `worker` extra)",

@@ -1,7 +1,9 @@
 """`genpool models pull NAME` / `genpool models list` / `genpool models path NAME`."""
 from __future__ import annotations
 
+import logging
 import sys
+from contextlib import contextmanager
 
 from genpool.schemas.config import HELP_FMT
 
@@ -31,12 +33,33 @@ def cmd_pull(args) -> int:
     from genpool.engine.models import registry
 
     try:
-        path = registry.pull(args.name, force=args.force)
+        with phases_on_stderr():
+            path = registry.pull(args.name, force=args.force)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(path)
+    print(path)  # alone on stdout, for scripts: the phases went to stderr
     return 0
+
+
+@contextmanager
+def phases_on_stderr():
+    """Print the pull's phases (logger genpool.models, INFO) while the command runs: a first
+    conversion is half a minute, which must not pass in silence. Undone after, so a caller in
+    the same process keeps its own logging."""
+    log = logging.getLogger("genpool.models")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("genpool models: %(message)s"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # once, not also through a root handler someone configured
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
 
 
 def cmd_list(args) -> int:

@@ -6,9 +6,10 @@ killed worker goes offline within ~4 s at freq=2) and `worker-offline`; `task-re
 `task-started`, `task-succeeded` (with `runtime`), `task-failed`, `task-revoked`. This observer
 sends exactly those for every job a worker runs, with the job id as the task uuid.
 
-Jobs submitted through the Celery front door (workers/integrations/celery_app.py) are skipped: the Celery
-worker running their task body already reports them under the same uuid, and two reporters of one
-task would make Flower flip its worker and state back and forth.
+Jobs submitted through the Celery front door (workers/integrations/celery_app.py) are skipped,
+also those the worker turns down before parsing them (unknown model): the Celery worker running
+their task body already reports them under the same uuid, and two reporters of one task would make
+Flower flip its name (genpool.stream), worker and state back and forth, and count it twice.
 
 Heartbeats are sent from the worker loop's own thread (the `tick` hook), not from a timer thread:
 a loop that wedges then stops beating and Flower shows it offline, which is the truth.
@@ -16,6 +17,7 @@ a loop that wedges then stops beating and Flower shows it offline, which is the 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import platform
@@ -42,6 +44,20 @@ def celery_hostname(worker_name: str) -> str:
 
 def from_celery(req) -> bool:
     meta = getattr(req, "metadata", None)
+    return isinstance(meta, dict) and CELERY_MARK in meta
+
+
+def parsed_from_celery(parsed) -> bool:
+    """Whether a job the Celery front door submitted: a job the worker turned down (unknown
+    model, prompt too long) has no parsed request, so the mark is read from its entry's JSON
+    (only for such jobs: they end at once, the extra parse costs nothing per token)."""
+    if parsed.req is not None:
+        return from_celery(parsed.req)
+    try:
+        obj = json.loads(parsed.entry.payload() or b"")
+    except (ValueError, AttributeError, RecursionError):
+        return False  # junk: only the genpool worker can report it
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
     return isinstance(meta, dict) and CELERY_MARK in meta
 
 
@@ -131,7 +147,7 @@ class FlowerEvents(WorkerObserver):
     # -- job hooks ------------------------------------------------------------------------
     def job_received(self, verdict) -> None:
         p = verdict.parsed
-        if verdict.kind not in ANNOUNCED_KINDS or not p.job_id or from_celery(p.req):
+        if verdict.kind not in ANNOUNCED_KINDS or not p.job_id or parsed_from_celery(p):
             return
         self.jobs[p.job_id] = time.monotonic()
         self.send("task-received", uuid=p.job_id, name=STREAM_TASK_NAME, args="()",
