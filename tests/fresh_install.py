@@ -112,6 +112,12 @@ def locked() -> dict[str, str]:
     return pins
 
 
+def held() -> list[str]:
+    """The lock's held-back releases, each with its reason (.ci/held.txt)."""
+    lines = (ROOT / ".ci" / "held.txt").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
 def install(venv: Venv, editable: bool, extras: str = "worker", lock: bool = True) -> None:
     venv.pip("torch==2.13.0")  # first and pinned: an unpinned torch pulls a multi-GB CUDA build
     spec = f"{ROOT}[{extras}]"
@@ -191,7 +197,8 @@ def latest(url: str, keep: bool = False) -> int:
         pins = locked()
         newer = [f"{n} {v} (locked {pins[n]})" for n, v in sorted(venv.versions().items())
                  if n in pins and pins[n].split("+")[0] != v.split("+")[0]]
-        print("newer than the lock, and working:", ", ".join(newer) or "none")
+        print("newer than the lock, and working here:", ", ".join(newer) or "none")
+        print("held back on purpose (.ci/held.txt):", ", ".join(held()) or "none")
         return 0
     except (Failed, subprocess.TimeoutExpired) as e:
         print(f"LATEST RELEASES CHECK FAILED:\n{e}", file=sys.stderr)
