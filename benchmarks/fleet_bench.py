@@ -68,8 +68,8 @@ class RateEngine(FakeEngine):
 # -- the fleet process --------------------------------------------------------------------------
 def run_fleet(a) -> None:
     """`--role fleet`: host a.workers workers for a.seconds, then print their totals as JSON."""
-    from genpool.schemas.connection import connect
     from genpool.schemas import Keys
+    from genpool.schemas.connection import connect
     from genpool.workers.worker import Worker, WorkerConfig
 
     workers = []
@@ -108,8 +108,7 @@ def run_fleet(a) -> None:
 async def drive(a, prefix: str, fleet: subprocess.Popen, pids: tuple[list, list]) -> dict:
     """Keep the queue topped up; read every `a.sample_every`-th job's events; time tokens."""
     from genpool.producer.aio import AsyncClient
-    from genpool.schemas.connection import connect_async
-    from genpool.schemas.connection import lane_depths, queue_lane_depths
+    from genpool.schemas.connection import connect_async, lane_depths, queue_lane_depths
 
     client = AsyncClient(a.url, prefix, redis_client=connect_async(
         a.url, max_connections=2000, decode_responses=True))

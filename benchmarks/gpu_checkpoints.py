@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+
 def _shape(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, rope: dict) -> dict:
     return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,

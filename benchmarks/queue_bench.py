@@ -185,8 +185,9 @@ def report_priority(a, prio: dict) -> None:
 
 def main() -> int:
     a = parse_args()
-    from genpool.engine.models.registry import resolve_model
     from transformers import AutoTokenizer
+
+    from genpool.engine.models.registry import resolve_model
 
     model = resolve_model(a.model)
     tok = AutoTokenizer.from_pretrained(str(model))

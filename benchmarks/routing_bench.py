@@ -32,8 +32,8 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 
 from genpool.producer import Client  # noqa: E402
-from genpool.schemas.connection import connect, delete_prefix  # noqa: E402
 from genpool.schemas import Keys  # noqa: E402
+from genpool.schemas.connection import connect, delete_prefix  # noqa: E402
 
 WORDS = ("river stone lamp harbor winter signal copper garden market cloud engine paper "
          "forest bridge candle mirror valley orbit meadow lantern glacier ember quarry "

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 
 from genpool.producer import Client  # noqa: E402
-from tests.pool_helpers import drop_prefix, spawn_worker, wait_for  # noqa: E402
 from genpool.workers.integrations.celery_app import make_app  # noqa: E402
+from tests.pool_helpers import drop_prefix, spawn_worker, wait_for  # noqa: E402
 
 CHROMIUM = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
             "--no-first-run", "--disable-background-networking", "--disable-component-update",

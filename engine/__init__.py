@@ -1,6 +1,6 @@
 """genpool's resident continuous-batching engine (vLLM-style API)."""
-from genpool.engine.sampling_params import SamplingParams
 from genpool.engine.outputs import CompletionOutput, RequestOutput
+from genpool.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name):

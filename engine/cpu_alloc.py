@@ -9,8 +9,8 @@ reused. Process-wide, so the engine calls it once, on CPU only; GENPOOL_MALLOC_T
 from __future__ import annotations
 
 import ctypes
-import functools
 import ctypes.util
+import functools
 import logging
 import math
 import mmap

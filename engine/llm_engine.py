@@ -8,15 +8,15 @@ import weakref
 
 import torch
 
-from genpool.engine.block_manager import BlockManager
 from genpool.engine import isolation, limits
+from genpool.engine.block_manager import BlockManager
 from genpool.engine.config import EngineConfig
 from genpool.engine.cpu_alloc import trim_heap
 from genpool.engine.output_processor import OutputProcessor
 from genpool.engine.outputs import CompletionOutput, RequestError, RequestOutput
 from genpool.engine.protocol import EngineStats
 from genpool.engine.request import Request
-from genpool.engine.sampler import SampleRow, Sampler, make_generator
+from genpool.engine.sampler import Sampler, SampleRow, make_generator
 from genpool.engine.sampling_params import SamplingParams
 from genpool.engine.scheduler import SampledToken, Scheduler
 from genpool.engine.sequence import Sequence, SequenceStatus

@@ -11,9 +11,9 @@ import torch
 from genpool.engine.attention_metadata import AttentionMetadata, SampledRows
 from genpool.engine.config import EngineConfig
 from genpool.engine.cpu_alloc import default_kv_budget, lazy_zeros, trim_heap, tune_malloc
-from genpool.engine.startup import StartLog, mib
 from genpool.engine.models.llama import rope_cache
 from genpool.engine.models.loader import load_model
+from genpool.engine.startup import StartLog, mib
 from genpool.kernels import get_backend
 
 

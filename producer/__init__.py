@@ -1,9 +1,9 @@
 """Producers: submit jobs to a genpool deployment and read their tokens (needs redis + pydantic)."""
 from genpool.schemas import JobResult, RestartEvent, TokenEvent
+from genpool.schemas.config import key_prefix, redis_url
 
 from .aio import AsyncClient, AsyncJob
 from .client import Client, Job
-from genpool.schemas.config import key_prefix, redis_url
 from .errors import JobFailed, NoWorkers, QueueUnavailable
 
 __all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobFailed", "JobResult", "NoWorkers",

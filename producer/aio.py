@@ -12,16 +12,26 @@ import redis
 import redis.asyncio as aredis
 
 from genpool.schemas import TERMINAL, JobResult, Keys
+from genpool.schemas.config import key_prefix, redis_url
+from genpool.schemas.connection import backoff, connect_async, is_cluster, stored_shards, xread_one
+from genpool.schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA, SUBMIT_UNDO_LUA
 
 from .client import PIPELINE_CHUNK, added, lane_refused
-from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import backoff, connect_async, is_cluster, xread_one
 from .errors import JobFailed
 from .liveness import live_workers_async, serving
-from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
-from genpool.schemas.connection import stored_shards
-from genpool.schemas.scripts import (CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA,
-                                     SUBMIT_UNDO_LUA)
+from .protocol import (
+    CONTROL_MAXLEN,
+    JOB_TTL_S,
+    READ_BLOCK_MS,
+    READ_COUNT,
+    build_request,
+    cancel_args,
+    cancel_broadcast,
+    events_in,
+    last_terminal,
+    submit_args,
+    terminal_from_hash,
+)
 from .replay import Gaps, Replay, read_events
 from .waiting import RECONNECT_S, Watch, final_result
 

@@ -8,7 +8,6 @@ import time
 
 from genpool.schemas.config import HELP_FMT, add_connection_args
 
-
 EXIT_FAILED, EXIT_TIMEOUT, EXIT_NO_WORKERS, EXIT_REDIS = 1, 3, 4, 5
 
 

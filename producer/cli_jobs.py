@@ -7,8 +7,9 @@ import json
 import sys
 import time
 
-from .cli import EXIT_FAILED, EXIT_NO_WORKERS, EXIT_TIMEOUT, follow, say_if_unserved
 from genpool.schemas.config import HELP_FMT, add_connection_args
+
+from .cli import EXIT_FAILED, EXIT_NO_WORKERS, EXIT_TIMEOUT, follow, say_if_unserved
 
 
 def register_job(sub) -> None:

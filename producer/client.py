@@ -7,16 +7,32 @@ from typing import Any, Iterator, Optional
 import redis
 
 from genpool.schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent, TrimmedEvent
-
 from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import (REDIS_DOWN, backoff, connect, is_cluster, queue_script,
-                                        xread_one)
+from genpool.schemas.connection import REDIS_DOWN, backoff, connect, is_cluster, queue_script, stored_shards, xread_one
+from genpool.schemas.scripts import (
+    CANCEL_FLAG_LUA,
+    CANCEL_LUA,
+    LANE_REFUSED,
+    SUBMIT_JOB_LUA,
+    SUBMIT_LUA,
+    SUBMIT_UNDO_LUA,
+)
+
 from .errors import JobFailed
 from .liveness import live_workers, serving
-from .protocol import (CONTROL_MAXLEN, JOB_TTL_S, READ_BLOCK_MS, READ_COUNT, build_request, cancel_args, cancel_broadcast, events_in, last_terminal, submit_args, terminal_from_hash)
-from genpool.schemas.connection import stored_shards
-from genpool.schemas.scripts import (CANCEL_FLAG_LUA, CANCEL_LUA, LANE_REFUSED, SUBMIT_JOB_LUA,
-                                     SUBMIT_LUA, SUBMIT_UNDO_LUA)
+from .protocol import (
+    CONTROL_MAXLEN,
+    JOB_TTL_S,
+    READ_BLOCK_MS,
+    READ_COUNT,
+    build_request,
+    cancel_args,
+    cancel_broadcast,
+    events_in,
+    last_terminal,
+    submit_args,
+    terminal_from_hash,
+)
 from .replay import Gaps, Replay, read_events
 from .waiting import RECONNECT_S, Watch, final_result
 

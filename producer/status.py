@@ -8,7 +8,6 @@ import time
 import redis
 
 from genpool.schemas import Keys
-
 from genpool.schemas.connection import lane_depths, queue_lane_depths
 
 from .listing import cancelled_unread

@@ -59,8 +59,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_tests_only_path(), os.
 os.environ["PYTHONSAFEPATH"] = "1"
 
 from tests import hygiene  # noqa: E402  (after the finder: nothing may import a product name first)
-from tests.tiny_tokenizer import VOCAB_SIZE as TINY_VOCAB_SIZE
-from tests.tiny_tokenizer import write_tiny_tokenizer
+from tests.tiny_tokenizer import VOCAB_SIZE as TINY_VOCAB_SIZE  # noqa: E402
+from tests.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:

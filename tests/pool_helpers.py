@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from genpool.producer import Client
-from genpool.schemas.connection import connect, delete_prefix
 from genpool.schemas import Keys
+from genpool.schemas.connection import connect, delete_prefix
 from tests import hygiene
 
 ROOT = Path(__file__).resolve().parent.parent

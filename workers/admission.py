@@ -16,16 +16,15 @@ from typing import Optional
 
 import redis
 
-from genpool.schemas.connection import REDIS_DOWN, queue_script
 from genpool.engine.protocol import EngineStats
 from genpool.schemas import ErrorEvent, JobRequest
-
+from genpool.schemas.connection import REDIS_DOWN, queue_script
+from genpool.schemas.scripts import CLAIM_LUA
 from genpool.workers.intake import Parsed
 from genpool.workers.jobstate import InFlight, engine_request_id
 from genpool.workers.lease import Fence, new_token
 from genpool.workers.outbox import Outbox
 from genpool.workers.streams import refused, s
-from genpool.schemas.scripts import CLAIM_LUA
 
 WRITES = ("run", "check", "cancelled", "dead")  # verdicts that hold a lease and write for the job
 SOLO_AFTER = 2  # lost-worker batches a job may share before it runs alone (see CLAIM_LUA)

@@ -12,7 +12,6 @@ from collections import deque
 from typing import Optional
 
 from genpool.schemas import ErrorEvent
-
 from genpool.workers.admission import SOLO_AFTER, Verdict, longest_token_chars, prepare
 from genpool.workers.intake import Entry, Parsed, parse_entry
 from genpool.workers.lease import Lease, LeaseKeeper

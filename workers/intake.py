@@ -14,8 +14,8 @@ from typing import Optional
 from pydantic import ValidationError
 
 from genpool.schemas import ErrorEvent, JobRequest, describe_validation_error
-
-from genpool.schemas.keys import JOB_ID_CHARS, JOB_ID_RE as _VALID_ID
+from genpool.schemas.keys import JOB_ID_CHARS
+from genpool.schemas.keys import JOB_ID_RE as _VALID_ID
 
 _ID_RE = re.compile(rb'"id"\s*:\s*"(' + JOB_ID_CHARS.encode() + rb')"')
 MAX_PAYLOAD_BYTES = 8 << 20  # a request above this is refused before any JSON parsing

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from genpool.schemas import Choice, JobRequest, ResultEvent, Timings, TokenEvent, Usage
-
 from genpool.workers.intake import Entry
 from genpool.workers.lease import Fence
 

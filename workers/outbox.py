@@ -24,14 +24,13 @@ from typing import Optional
 
 import redis
 
+from genpool.schemas import ErrorEvent, Keys, RestartEvent, ResultEvent, TokenEvent
 from genpool.schemas.connection import REDIS_DOWN, is_cluster
-from genpool.schemas import ErrorEvent, Keys, ResultEvent, RestartEvent, TokenEvent
 from genpool.schemas.keys import hash_tag
-
+from genpool.schemas.scripts import ACK_LUA, FENCE_LUA
 from genpool.workers.intake import Entry
 from genpool.workers.jobstate import InFlight
 from genpool.workers.lease import Fence, fence_call
-from genpool.schemas.scripts import ACK_LUA, FENCE_LUA
 from genpool.workers.observe import Observers
 from genpool.workers.streams import WritesRefused, refused
 

@@ -27,12 +27,10 @@ import redis
 from genpool.engine.block_manager import prompt_block_hashes
 from genpool.schemas import LANES
 from genpool.schemas.routing import PeerLoad
-
 from genpool.workers.intake import Entry, Parsed
+from genpool.workers.prefix_index import INDEX_CAP, PrefixIndex
 from genpool.workers.routing import HOWS, Candidate, RouteParams, route
 from genpool.workers.streams import entries_from, s
-
-from genpool.workers.prefix_index import INDEX_CAP, PrefixIndex
 
 log = logging.getLogger("genpool.worker")
 SEEN_CAP = 65536  # entry ids a worker remembers having held (so its own are never "handed")

@@ -8,9 +8,8 @@ import redis
 
 from genpool.schemas import Keys
 from genpool.schemas.keys import check_memory_policy
-
-from genpool.workers.intake import Entry
 from genpool.schemas.scripts import SHARDS_LUA
+from genpool.workers.intake import Entry
 
 log = logging.getLogger("genpool.worker")
 

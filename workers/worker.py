@@ -18,7 +18,7 @@ import redis
 
 from genpool.engine.protocol import Engine
 from genpool.schemas import LANES, ErrorEvent, Keys
-
+from genpool.schemas.scripts import READ_LUA
 from genpool.workers.admission import Admitter, free_capacity
 from genpool.workers.custody import Custody
 from genpool.workers.heartbeat import Heartbeat
@@ -28,9 +28,14 @@ from genpool.workers.observe import Observers
 from genpool.workers.outbox import Outbox
 from genpool.workers.recovery import Recovery
 from genpool.workers.router import Router
-from genpool.workers.streams import (ControlReader, ensure_groups, entries_from, lane_budgets,
-                             own_pending, publish_shards)
-from genpool.schemas.scripts import READ_LUA
+from genpool.workers.streams import (
+    ControlReader,
+    ensure_groups,
+    entries_from,
+    lane_budgets,
+    own_pending,
+    publish_shards,
+)
 from genpool.workers.worker_config import WorkerConfig
 
 log = logging.getLogger("genpool.worker")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from genpool.engine.config import QUANTIZATIONS
-from genpool.kernels.qtensor import QTensor, cat as qcat
+from genpool.kernels.qtensor import QTensor
+from genpool.kernels.qtensor import cat as qcat
 
 
 def quantize_int8(w: torch.Tensor) -> QTensor:

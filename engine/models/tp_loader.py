@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from genpool.engine.models.loader import _packed, assign_state, load_config
-from genpool.kernels import get_backend
 from genpool.engine.models.tp_linear import TPShard, plan_shard, tp_model
+from genpool.kernels import get_backend
 
 # checkpoint name -> (which index range, which dimension): 0 = output rows, 1 = input columns
 _SPLITS = [

@@ -31,8 +31,17 @@ from functools import partial
 import torch
 
 from genpool.kernels import ref
-from genpool.kernels.cpu import build as cpu_build, decode_attention as cpu_decode_attention, decode_layers as cpu_decode_layers, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, qgemm as cpu_qgemm, rms_norm as cpu_rms_norm, rotary as cpu_rotary, silu_mul as cpu_silu_mul, write_kv as cpu_write_kv
 from genpool.kernels.backend import DecodeStack, TorchBackend
+from genpool.kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import decode_attention as cpu_decode_attention
+from genpool.kernels.cpu import decode_layers as cpu_decode_layers
+from genpool.kernels.cpu import gemm as cpu_gemm
+from genpool.kernels.cpu import prefill_attention as cpu_prefill_attention
+from genpool.kernels.cpu import qgemm as cpu_qgemm
+from genpool.kernels.cpu import rms_norm as cpu_rms_norm
+from genpool.kernels.cpu import rotary as cpu_rotary
+from genpool.kernels.cpu import silu_mul as cpu_silu_mul
+from genpool.kernels.cpu import write_kv as cpu_write_kv
 from genpool.kernels.qtensor import QTensor
 
 

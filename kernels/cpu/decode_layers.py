@@ -13,7 +13,9 @@ from functools import cache
 
 import torch
 
-from genpool.kernels.cpu import build as cpu_build, gemm as cpu_gemm, qgemm as cpu_qgemm
+from genpool.kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import gemm as cpu_gemm
+from genpool.kernels.cpu import qgemm as cpu_qgemm
 
 WEIGHTS = ("qkv", "o", "gate_up", "down")
 

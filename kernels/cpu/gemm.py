@@ -12,7 +12,9 @@ from functools import cache, cached_property
 
 import torch
 
-from genpool.kernels.cpu import build as cpu_build, memory as cpu_memory
+from genpool.kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import memory as cpu_memory
+
 
 @cache
 def _kernel():

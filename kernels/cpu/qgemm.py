@@ -20,7 +20,8 @@ from functools import cache
 
 import torch
 
-from genpool.kernels.cpu import build as cpu_build, memory as cpu_memory
+from genpool.kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import memory as cpu_memory
 from genpool.kernels.cpu.gemm import _check_x  # the same check: x is [M, w.k] fp32 on the CPU
 from genpool.kernels.qtensor import QTensor
 

@@ -16,9 +16,9 @@ class TritonBackend(TorchBackend):
     def __init__(self):
         from genpool.kernels.triton.kv_write import write_kv
         from genpool.kernels.triton.paged_attention import paged_attention
+        from genpool.kernels.triton.qgemm import gate_up_silu, linear, pack_linear
         from genpool.kernels.triton.rms_norm import rms_norm
         from genpool.kernels.triton.rotary import rotary
-        from genpool.kernels.triton.qgemm import gate_up_silu, linear, pack_linear
 
         self.write_kv, self.paged_attention, self.rms_norm, self.rotary = write_kv, paged_attention, rms_norm, rotary
         self.linear, self.pack_linear, self.gate_up_silu = linear, pack_linear, gate_up_silu

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from genpool.engine import LLM, SamplingParams
-from genpool.engine.sampler import FAILED, SampleRow, Sampler
+from genpool.engine.sampler import FAILED, Sampler, SampleRow
 
 POISON = 1234
 

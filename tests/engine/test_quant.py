@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from genpool.engine.models.quant import quantize_int8
-from genpool.kernels.cpu import gemm as cpu_gemm, qgemm as cpu_qgemm
+from genpool.kernels.cpu import gemm as cpu_gemm
+from genpool.kernels.cpu import qgemm as cpu_qgemm
 from genpool.kernels.qtensor import QTensor, pack_nibbles
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(), reason="no C compiler for the CPU kernels")

@@ -7,11 +7,10 @@ int8 / bf16 rounding, whose effect benchmarks/quant_modes.py measures (KL, perpl
 and the last test here bounds."""
 from __future__ import annotations
 
-
 from genpool.engine import LLM, SamplingParams
 from genpool.engine.models.llama import Linear
-from tests.prompts import QUESTIONS, SHARED_QUESTIONS, SHARED_SYSTEM, chat_ids
 from tests.engine.test_engine_parity import MAX_TOKENS, assert_parity
+from tests.prompts import QUESTIONS, SHARED_QUESTIONS, SHARED_SYSTEM, chat_ids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 

@@ -3,8 +3,16 @@ import math
 import pytest
 import torch
 
-from genpool.engine.sampler import (SampleRow, Sampler, apply_min_p, apply_presence_frequency,
-                            apply_repetition_penalty, apply_top_k, apply_top_p, make_generator)
+from genpool.engine.sampler import (
+    Sampler,
+    SampleRow,
+    apply_min_p,
+    apply_presence_frequency,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+)
 from genpool.engine.sampling_params import SamplingParams
 
 INF = float("inf")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import zlib
+
 import pytest
 
 from genpool.engine.block_manager import BlockManager

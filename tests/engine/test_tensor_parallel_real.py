@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from genpool.engine import SamplingParams
-from tests.prompts import QUESTIONS, SHARED_QUESTIONS, SHARED_SYSTEM, chat_ids
 from tests.engine.test_engine_parity import assert_parity
+from tests.prompts import QUESTIONS, SHARED_QUESTIONS, SHARED_SYSTEM, chat_ids
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)

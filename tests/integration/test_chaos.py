@@ -25,8 +25,7 @@ from genpool.producer import Client
 from tests.chaos_helpers import pool_problems
 from tests.pool_helpers import drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for
 from tests.tiny_tokenizer import VOCAB_SIZE as VOCAB  # the tiny model's vocabulary
-from tests.worker.refusal_helpers import (memory_pressure, reader_text, refusals,
-                                          refused_writes)
+from tests.worker.refusal_helpers import memory_pressure, reader_text, refusals, refused_writes
 
 SEED = 16
 

@@ -7,7 +7,7 @@ import sys
 
 import redis
 
-from tests.pool_helpers import ROOT, new_prefix
+from tests.pool_helpers import new_prefix
 
 LEAKY = '''
 import subprocess, redis, os

@@ -13,8 +13,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from genpool.producer import Client
-from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker,
-                                stop_proc, wait_for, workers_alive)
+from tests.pool_helpers import (
+    check,
+    collect,
+    drop_prefix,
+    new_prefix,
+    offline,
+    spawn_worker,
+    stop_proc,
+    wait_for,
+    workers_alive,
+)
 
 # kind -> (error code, text the message must contain); None: dead-lettered (no job id)
 EXPECT = {

@@ -2,8 +2,18 @@
 from __future__ import annotations
 
 from genpool.producer import Client
-from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker,
-                                stop_proc, wait_for, workers_alive)
+from tests.pool_helpers import (
+    check,
+    collect,
+    drop_prefix,
+    new_prefix,
+    offline,
+    spawn_worker,
+    stop_proc,
+    wait_for,
+    workers_alive,
+)
+
 
 def test_smollm2_through_redis_matches_offline(redis_url, smollm2_path, tmp_path):
     from genpool.engine import LLM

@@ -11,11 +11,11 @@ from collections import Counter
 import pytest
 
 from genpool.producer import Client
-from genpool.schemas.connection import connect, is_cluster, mask, parse
 from genpool.schemas import Keys, parse_event
+from genpool.schemas.connection import connect, is_cluster, mask, parse
+from genpool.workers.streams import lane_budgets, publish_shards
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import drop_prefix, new_prefix, wait_for, worker_thread
-from genpool.workers.streams import lane_budgets, publish_shards
 
 
 def test_url_forms():

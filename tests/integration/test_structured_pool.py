@@ -21,8 +21,7 @@ from genpool.producer.batch import run_batch
 from genpool.producer.protocol import submit_args
 from genpool.schemas import JobRequest
 from genpool.schemas.request import new_job_id
-from tests.pool_helpers import (ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for,
-                                workers_alive)
+from tests.pool_helpers import ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for, workers_alive
 from tests.producer.test_gateway import answers, free_port
 
 pytest.importorskip("celery")

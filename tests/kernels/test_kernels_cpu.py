@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from genpool.kernels import get_backend, ref
-from genpool.kernels.cpu import build as cpu_build, decode_attention as cpu_decode_attention, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, rms_norm as cpu_rms_norm, rotary as cpu_rotary, silu_mul as cpu_silu_mul, write_kv as cpu_write_kv
+from genpool.kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import decode_attention as cpu_decode_attention
+from genpool.kernels.cpu import gemm as cpu_gemm
+from genpool.kernels.cpu import prefill_attention as cpu_prefill_attention
+from genpool.kernels.cpu import rms_norm as cpu_rms_norm
+from genpool.kernels.cpu import rotary as cpu_rotary
+from genpool.kernels.cpu import silu_mul as cpu_silu_mul
+from genpool.kernels.cpu import write_kv as cpu_write_kv
 from tests.kv_cases import make_case
 
 pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(), reason="no C compiler here")

@@ -12,7 +12,11 @@ import torch
 
 from genpool.engine.models.llama import Linear
 from genpool.kernels import get_backend, ref
-from genpool.kernels.cpu import backend as cpu_backend, build as cpu_build, gemm as cpu_gemm, prefill_attention as cpu_prefill_attention, silu_mul as cpu_silu_mul
+from genpool.kernels.cpu import backend as cpu_backend
+from genpool.kernels.cpu import build as cpu_build
+from genpool.kernels.cpu import gemm as cpu_gemm
+from genpool.kernels.cpu import prefill_attention as cpu_prefill_attention
+from genpool.kernels.cpu import silu_mul as cpu_silu_mul
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler here")
 

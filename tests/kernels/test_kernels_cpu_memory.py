@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from genpool.kernels.cpu import gemm as cpu_gemm, memory as cpu_memory
+from genpool.kernels.cpu import gemm as cpu_gemm
+from genpool.kernels.cpu import memory as cpu_memory
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -17,8 +17,7 @@ import pytest
 
 from genpool.producer.batch import Output, job_id_for, parse_line
 from genpool.schemas.connection import connect
-from tests.pool_helpers import (ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for,
-                                workers_alive)
+from tests.pool_helpers import ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for, workers_alive
 
 N_VALID = 104
 INVALID = {  # custom_id -> (line, error code)

@@ -19,8 +19,17 @@ import redis
 from genpool.producer import Client
 from genpool.schemas.connection import connect
 from tests.conftest import TOPOLOGIES
-from tests.pool_helpers import (ROOT, drop_prefix, free_port, http_ok, new_prefix, spawn_worker, stop_proc,
-                                wait_for, workers_alive)
+from tests.pool_helpers import (
+    ROOT,
+    drop_prefix,
+    free_port,
+    http_ok,
+    new_prefix,
+    spawn_worker,
+    stop_proc,
+    wait_for,
+    workers_alive,
+)
 
 KEY = "sk-genpool-test"
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -322,9 +331,9 @@ def test_a_stream_cut_by_a_lost_queue_ends_with_an_error_chunk(tmp_path):
     import time
 
     from genpool.producer.gateway import create_app
+    from genpool.workers.integrations import embedded
     from tests.fake_engine import FakeEngine
     from tests.pool_helpers import worker_thread
-    from genpool.workers.integrations import embedded
 
     port = next(p for p in range(7300, 7400) if socket.socket().connect_ex(("127.0.0.1", p)))
     server = embedded.start_server(port=port, data_dir=tmp_path / "redis")

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from genpool.producer import AsyncClient, Client
-from genpool.schemas.connection import connect
 from genpool.producer.replay import Replay
 from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent
+from genpool.schemas.connection import connect
 from tests.pool_helpers import drop_prefix, new_prefix
 
 

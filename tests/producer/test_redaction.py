@@ -17,8 +17,7 @@ import redis
 from genpool.producer import Client, QueueUnavailable
 from genpool.schemas import Keys
 from genpool.schemas.connection import parse, redact, redact_text
-from tests.pool_helpers import (drop_prefix, free_port, new_prefix, spawn_worker, stop_proc,
-                                wait_for, workers_alive)
+from tests.pool_helpers import drop_prefix, free_port, new_prefix, spawn_worker, stop_proc, wait_for, workers_alive
 from tests.producer.test_ux import genpool
 
 SECRET = "S3cretPassw0rd"

@@ -8,8 +8,19 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from genpool.schemas import (ErrorEvent, JobRequest, JobResult, Keys, RestartEvent, ResultEvent,
-                     TokenEvent, describe_validation_error, lane_for, parse_event, parse_request)
+from genpool.schemas import (
+    ErrorEvent,
+    JobRequest,
+    JobResult,
+    Keys,
+    RestartEvent,
+    ResultEvent,
+    TokenEvent,
+    describe_validation_error,
+    lane_for,
+    parse_event,
+    parse_request,
+)
 from tests.pool_helpers import ROOT
 
 

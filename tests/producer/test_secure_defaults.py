@@ -13,9 +13,8 @@ import httpx
 import pytest
 import redis
 
-from genpool.schemas import Keys
-
 from genpool.producer.openai_format import scrub_paths
+from genpool.schemas import Keys
 from tests.pool_helpers import ROOT, drop_prefix, free_port, http_ok, new_prefix, stop_proc, wait_for
 
 KEY = "sk-secure-test"

@@ -21,8 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.fake_engine import FakeEngine, expected_for_prompt
-from tests.pool_helpers import (ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for,
-                                worker_thread)
+from tests.pool_helpers import ROOT, drop_prefix, new_prefix, spawn_worker, stop_proc, wait_for, worker_thread
 
 pytest.importorskip("celery", reason="the worker extra (celery) is not installed")
 TASK = "genpool.generate"

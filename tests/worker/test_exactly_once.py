@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-
 from tests.chaos_helpers import pool_problems, raw_events, stream_problems
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import client_env, spawn_worker, stop_proc, wait_for, worker_thread, workers_alive

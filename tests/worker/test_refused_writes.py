@@ -17,8 +17,14 @@ from genpool.producer import Client
 from tests.chaos_helpers import pool_problems
 from tests.fake_engine import FakeEngine, expected_for_prompt
 from tests.pool_helpers import drop_prefix, new_prefix, wait_for, worker_thread
-from tests.worker.refusal_helpers import (memory_pressure, private_server, reader_text,
-                                          refusals, refused_writes, server_binaries)
+from tests.worker.refusal_helpers import (
+    memory_pressure,
+    private_server,
+    reader_text,
+    refusals,
+    refused_writes,
+    server_binaries,
+)
 
 BINARIES = server_binaries()
 

@@ -14,12 +14,12 @@ import pytest
 from genpool.engine.block_manager import BlockManager, prompt_block_hashes
 from genpool.engine.protocol import EngineStats
 from genpool.producer import Client
-from genpool.schemas.connection import connect
 from genpool.schemas import Keys, parse_event
-from tests.fake_engine import FakeEngine, expected_for_prompt
-from tests.pool_helpers import ROOT, client_env, drop_prefix, new_prefix, wait_for, worker_thread
+from genpool.schemas.connection import connect
 from genpool.workers.prefix_index import PrefixIndex
 from genpool.workers.routing import AFFINITY, FALLBACK, LOAD, Candidate, RouteParams, route
+from tests.fake_engine import FakeEngine, expected_for_prompt
+from tests.pool_helpers import ROOT, client_env, drop_prefix, new_prefix, wait_for, worker_thread
 
 P = RouteParams(min_gain_tokens=64, max_backlog_jobs=4, default_job_tokens=64)
 

@@ -8,10 +8,10 @@ import time
 
 from genpool.engine.block_manager import prompt_block_hashes
 from genpool.schemas import Keys
+from genpool.workers.prefix_index import PrefixIndex
 from tests.fake_engine import expected_for_prompt
 from tests.pool_helpers import wait_for, worker_thread
 from tests.worker.test_routing import DOC, FAST, CachingFakeEngine, env, rkeys  # noqa: F401
-from genpool.workers.prefix_index import PrefixIndex
 
 BAD = {"free": "plenty", "backlog": 0, "slots": 4, "job_tokens": 10, "block_size": 16,
        "model": "fake"}

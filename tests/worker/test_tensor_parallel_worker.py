@@ -10,8 +10,17 @@ import pytest
 
 from genpool.producer import Client
 from genpool.schemas import parse_event
-from tests.pool_helpers import (check, collect, drop_prefix, new_prefix, offline, spawn_worker, stop_proc,
-                                wait_for, workers_alive)
+from tests.pool_helpers import (
+    check,
+    collect,
+    drop_prefix,
+    new_prefix,
+    offline,
+    spawn_worker,
+    stop_proc,
+    wait_for,
+    workers_alive,
+)
 from tests.tp_helpers import alive, child_pids, rank_pids, write_tiny
 
 WORDS = "river stone lamp harbor winter signal copper garden market cloud engine paper".split()

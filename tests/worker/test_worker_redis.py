@@ -5,9 +5,10 @@ import json
 import time
 
 import pytest
+
 from genpool.producer import Client
-from genpool.schemas.connection import connect
 from genpool.schemas import parse_event
+from genpool.schemas.connection import connect
 from tests.fake_engine import FakeEngine, expected_for_prompt, expected_text
 from tests.pool_helpers import client_env, wait_for, worker_thread
 
@@ -193,6 +194,7 @@ def test_a_connection_lost_at_the_solo_mark_strands_no_job(env, monkeypatch):
     alone; Redis lost at that call used to leave it in no queue while its lease was renewed
     and its entry kept fresh: never run, never reclaimed (found by a hostile outage run)."""
     import redis
+
     from genpool.workers.lease import LeaseKeeper
 
     url, prefix, c = env
@@ -219,6 +221,7 @@ def test_a_reply_lost_while_draining_duplicates_no_tokens(env, monkeypatch):
     worker is draining with nothing left in flight: the resend must come as a restart and a
     replay (readers' text equals the result), not as the same tokens a second time."""
     import redis
+
     from genpool.workers.outbox import Outbox
 
     url, prefix, c = env
@@ -246,6 +249,7 @@ def test_an_error_reply_to_a_renewal_is_no_lost_lease():
     run saw 8 leases dropped as 'lost' while the cluster was down); an error in its place says
     nothing about the lease."""
     import redis
+
     from genpool.workers.lease import lease_outcomes
 
     errors = [redis.exceptions.ClusterDownError("The cluster is down"),

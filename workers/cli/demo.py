@@ -84,7 +84,6 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from genpool.engine.models.registry import is_pulled, lookup, resolve_model
     from genpool.producer import Client
     from genpool.schemas.config import genpool_home
-
     from genpool.workers.integrations.embedded import ensure_redis
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

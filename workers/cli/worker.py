@@ -10,7 +10,6 @@ from pathlib import Path
 
 from genpool.engine.config_args import add_dataclass_args, dataclass_kwargs
 from genpool.schemas.config import HELP_FMT, add_connection_args
-
 from genpool.workers.worker_runner import add_runner_args, run_worker
 
 log = logging.getLogger("genpool.worker")
@@ -18,7 +17,6 @@ log = logging.getLogger("genpool.worker")
 
 def register_worker(sub) -> None:
     from genpool.engine.config import EngineConfig
-
     from genpool.workers.worker_config import WorkerConfig
 
     p = sub.add_parser("worker", help="run a resident worker: Redis lane streams -> engine",
@@ -107,9 +105,8 @@ def primary_name(model: str, extra: list[str] | None) -> str:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from genpool.schemas.connection import connect
     from genpool.schemas import Keys
-
+    from genpool.schemas.connection import connect
     from genpool.workers.integrations.embedded import ensure_redis
     from genpool.workers.worker import Worker
 

@@ -23,7 +23,6 @@ from celery.exceptions import Ignore, Reject
 from genpool.producer import Client
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
-
 from genpool.workers.integrations.celery_guard import GuardedTask
 from genpool.workers.integrations.flower_events import CELERY_MARK, REVOKED_CODES
 

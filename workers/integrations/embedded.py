@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from genpool.schemas.config import (DEFAULT_URL, ENV_URL, answers, embedded_state_file, embedded_url,
-                             genpool_home)
+from genpool.schemas.config import DEFAULT_URL, ENV_URL, answers, embedded_state_file, embedded_url, genpool_home
 
 log = logging.getLogger("genpool.embedded")
 

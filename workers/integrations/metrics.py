@@ -22,7 +22,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from genpool.schemas.connection import lane_depths, queue_lane_depths, stored_shards
-
 from genpool.workers.observe import WorkerObserver
 
 log = logging.getLogger("genpool.metrics")
