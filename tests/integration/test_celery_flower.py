@@ -74,14 +74,18 @@ def stack(tiny_llama_long_path, redis_url, tmp_path_factory):
                  "both genpool workers online in Flower")
         yield st
     finally:
-        for p in (*procs.values(), flower):
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
-        # this run's Celery queue: its list and kombu's binding set (never FLUSHDB: shared DB)
-        st.client.redis.delete(prefix, f"_kombu.binding.{prefix}")
-        st.client.close()
-        drop_prefix(redis_url, prefix)
+        _tear_down(st, (*procs.values(), flower), redis_url, prefix)
+
+
+def _tear_down(st, procs, redis_url: str, prefix: str) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(30)
+    # this run's Celery queue: its list and kombu's binding set (never FLUSHDB: shared DB)
+    st.client.redis.delete(prefix, f"_kombu.binding.{prefix}")
+    st.client.close()
+    drop_prefix(redis_url, prefix)
 
 
 def flower_status(st) -> dict:
@@ -253,13 +257,7 @@ def fake_celery(redis_url, tmp_path):
         wait_for(lambda: flower_status(st).get(st.host), 120, 0.5, "the worker online in Flower")
         yield st
     finally:
-        for p in (worker, flower):
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
-        st.client.redis.delete(prefix, f"_kombu.binding.{prefix}")
-        st.client.close()
-        drop_prefix(redis_url, prefix)
+        _tear_down(st, (worker, flower), redis_url, prefix)
 
 
 def flower_failures(st) -> float:
