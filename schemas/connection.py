@@ -22,14 +22,20 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
+from genpool.schemas.cluster import (  # ClusterUnreachable: what its cluster clients raise
+    NO_NODE,
+    ClusterUnreachable,  # noqa: F401
+    as_lost_connection,
+    lost_connection_when_unreachable,
+)
 from genpool.schemas.keys import LANES
 
 # Errors that mean "Redis is away for now" (retry after a reconnect), as against an answer:
 # a lost connection, a cluster whose slots are not served, a slot in the middle of a migration.
-# redis-py 8.2 raises RedisClusterUnreachableError (no ConnectionError) when no cluster node answers.
-_NO_NODE = getattr(redis.exceptions, "RedisClusterUnreachableError", ())
+# (The clients connect() makes raise ClusterUnreachable, a ConnectionError, where redis-py 8.2+
+# raises RedisClusterUnreachableError; it is here for clients made elsewhere.)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-              redis.exceptions.TryAgainError, *((_NO_NODE,) if _NO_NODE else ()))
+              redis.exceptions.TryAgainError, *((NO_NODE,) if NO_NODE else ()))
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
 SENTINEL_SCHEMES = {"redis+sentinel": False}
 
@@ -150,10 +156,10 @@ def connect(url: str, **kwargs: Any):
     if t.kind == "single":
         return redis.Redis.from_url(url, **opts)
     if t.kind == "cluster":
-        r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], ssl=t.tls,
-                         **t.auth(), **opts)
-        _unreachable_is_a_lost_connection(r.nodes_manager)
-        return r
+        with as_lost_connection():  # its first topology refresh runs here
+            r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes],
+                             ssl=t.tls, **t.auth(), **opts)
+        return lost_connection_when_unreachable(r)
     from redis.sentinel import Sentinel
 
     sentinel = Sentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **opts)
@@ -183,62 +189,12 @@ def connect_async(url: str, max_connections: Optional[int] = None, **kwargs: Any
         extra = {"max_connections": max_connections} if max_connections else {}
         r = AsyncCluster(startup_nodes=[AsyncNode(h, p) for h, p in t.nodes], ssl=t.tls,
                          **t.auth(), **extra, **opts)
-        _unreachable_is_a_lost_connection(r.nodes_manager, aio=True)
-        return r
+        return lost_connection_when_unreachable(r, aio=True)
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
     sentinel = AsyncSentinel(list(t.nodes), sentinel_kwargs=_sentinel_kwargs(t, kwargs), **opts)
     extra = {"max_connections": max_connections} if max_connections else {}
     return sentinel.master_for(t.service, db=t.db, **t.auth(), **extra)
-
-
-class ClusterUnreachable(redis.exceptions.ConnectionError):
-    """No node of a Redis Cluster answers (every node down at once, e.g. a cluster restart)."""
-
-
-def _unreachable(e: Exception) -> bool:
-    """No node answers: a bare RedisClusterException before redis-py 8.2, its own class since."""
-    return (_NO_NODE and isinstance(e, _NO_NODE)) or (
-        type(e) is redis.exceptions.RedisClusterException and "cannot be connected" in str(e))
-
-
-def _unreachable_is_a_lost_connection(manager, aio: bool = False) -> None:
-    """redis-py's cluster clients raise a bare RedisClusterException ("Redis Cluster cannot be
-    connected") when, after a lost connection, no node answers the topology refresh; every
-    reconnect loop here (workers, readers, producers) waits out a ConnectionError, and would
-    die on that one. This client's topology refresh raises ClusterUnreachable instead."""
-    if aio:  # the asyncio NodesManager has __slots__: give it a subclass that converts
-        manager.__class__ = _aio_manager(type(manager))
-        return
-    initialize = manager.initialize
-
-    def wrapped(*a, **k):
-        try:
-            return initialize(*a, **k)
-        except redis.exceptions.RedisClusterException as e:
-            if _unreachable(e):
-                raise ClusterUnreachable(str(e)) from e
-            raise
-    manager.initialize = wrapped
-
-
-_AIO_MANAGERS: dict = {}
-
-
-def _aio_manager(base: type) -> type:
-    """A slot-compatible subclass of redis-py's asyncio NodesManager whose topology refresh
-    raises ClusterUnreachable (one class per base, made on first use)."""
-    if base not in _AIO_MANAGERS:
-        async def initialize(self, *a, **k):
-            try:
-                return await base.initialize(self, *a, **k)
-            except redis.exceptions.RedisClusterException as e:
-                if _unreachable(e):
-                    raise ClusterUnreachable(str(e)) from e
-                raise
-        _AIO_MANAGERS[base] = type(base.__name__, (base,), {"__slots__": (),
-                                                           "initialize": initialize})
-    return _AIO_MANAGERS[base]
 
 
 def _sentinel_kwargs(t: Target, kwargs: dict) -> dict:
