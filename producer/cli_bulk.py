@@ -87,21 +87,53 @@ def register_gateway(sub) -> None:
                    help="answer 503 no_workers when no live worker serves the model for this long")
     p.add_argument("--queue-without-workers", action="store_true",
                    help="queue requests even when no worker serves their model (they wait)")
+    _gateway_limits(p)
     p.add_argument("--log-level", default="info",
                    help="uvicorn log level: critical, error, warning, info, debug, trace")
     add_connection_args(p)
     p.set_defaults(func=cmd_gateway)
 
 
+def _gateway_limits(p) -> None:
+    """Connection hygiene (docs/operations.md, "The gateway's limits"); defaults are the
+    modules' own, written out so --help shows them without importing fastapi."""
+    p.add_argument("--max-open", type=int, default=512, metavar="N",
+                   help="completion requests in flight at once, streamed or not; past it: 503 "
+                        "gateway_busy")
+    p.add_argument("--max-open-per-client", type=int, default=32, metavar="N",
+                   help="the same, per client (its API key when keys are set, else its address); "
+                        "past it: 429 too_many_open_requests")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request head is not complete this long after "
+                        "it opened or its previous response ended")
+    p.add_argument("--idle-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="close a keep-alive connection idle this long; answer 408 to a request "
+                        "body that sends nothing for this long")
+    p.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="drop a client that reads nothing of its response for this long, and "
+                        "cancel its job")
+
+
 def cmd_gateway(a: argparse.Namespace) -> int:
     import uvicorn
 
     from .gateway import create_app
+    from .gateway_http import server_config
 
     keys = a.api_key or [k for k in os.environ.get("GENPOOL_API_KEYS", "").split(",") if k]
-    app = create_app(a.redis, a.prefix, api_keys=keys, max_queue_depth=a.max_queue_depth,
-                     priority=a.priority, default_model=a.model,
-                     no_worker_grace_s=a.no_worker_grace,
-                     queue_without_workers=a.queue_without_workers)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower())
-    return 0
+    try:
+        app = create_app(a.redis, a.prefix, api_keys=keys, max_queue_depth=a.max_queue_depth,
+                         priority=a.priority, default_model=a.model,
+                         no_worker_grace_s=a.no_worker_grace,
+                         queue_without_workers=a.queue_without_workers, max_open=a.max_open,
+                         max_open_per_client=a.max_open_per_client,
+                         idle_timeout_s=a.idle_timeout)
+        config = server_config(app, a.host, a.port, header_timeout_s=a.header_timeout,
+                               idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout,
+                               log_level=a.log_level.lower())
+    except ValueError as e:
+        print(f"genpool gateway: {e}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 3  # what uvicorn.run exits with when it cannot start

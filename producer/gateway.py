@@ -8,30 +8,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterable, Optional
 
 import redis
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response
 
 from genpool.schemas import Keys
-from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
+from genpool.schemas.config import key_prefix, redis_url
+from genpool.schemas.connection import connect_async, lane_depths, queue_lane_depths, redact_text
 from genpool.schemas.keys import check_memory_policy
+from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
 
 from .aio import AsyncClient, AsyncJob
-from .gateway_io import (ClientGone, background, chain, iterate_until_disconnect, read_json, sse,
-                         until_disconnect)
-from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import connect_async, redact_text
+from .gateway_io import (
+    ClientGone,
+    ClosingStream,
+    OpenRequests,
+    background,
+    chain,
+    install_error_handlers,
+    iterate_until_disconnect,
+    queue_error,
+    read_json,
+    sse,
+    until_disconnect,
+)
 from .liveness import live_workers_async, served_names, serving
-from genpool.schemas.connection import lane_depths, queue_lane_depths
-from .openai_format import (APIError, OpenAIRequest, chunk_body, completion_body,
-                            error_from_event, final_chunks, parse_body, scrub_paths)
+from .openai_format import (
+    APIError,
+    OpenAIRequest,
+    chunk_body,
+    completion_body,
+    error_from_event,
+    final_chunks,
+    parse_body,
+    scrub_paths,
+)
 
 log = logging.getLogger("genpool.gateway")
 
@@ -39,19 +57,34 @@ log = logging.getLogger("genpool.gateway")
 GATEWAY_PRIORITY = CALLER_PRIORITY_CEILING
 # The worker refuses a job above 8 MiB (workers/intake.py); a body past this is refused unread.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# llguidance's check of a ~1 MB schema takes ~1.6 s: on the event loop, 4 such requests stalled
+# every other request (/health too) for 6.6 s. It runs on this many threads instead (it releases
+# the GIL); a fixed number, so requests cannot make the gateway start threads without bound.
+CHECK_THREADS = 2
+# Completion requests in flight (streamed or not): in all (each streamed one holds a Redis
+# connection in XREAD BLOCK, so keep it under max_connections), and per client.
+MAX_OPEN, MAX_OPEN_PER_CLIENT = 512, 32
+IDLE_TIMEOUT_S = 5.0  # a request body that goes quiet this long gets 408 (gateway_http.py: same)
+
+
 class Gateway:
     def __init__(self, url: Optional[str], prefix: Optional[str], api_keys: Iterable[str],
                  max_queue_depth: Optional[int], priority: int, default_model: Optional[str],
                  max_connections: int, no_worker_grace_s: float = 5.0,
-                 queue_without_workers: bool = False):
+                 queue_without_workers: bool = False, *, max_open: int = MAX_OPEN,
+                 max_open_per_client: int = MAX_OPEN_PER_CLIENT,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.url, self.keys = redis_url(url), Keys(key_prefix(prefix))
+        self.open, self.idle_timeout_s = OpenRequests(max_open, max_open_per_client), idle_timeout_s
         self.api_keys = [k.encode() for k in api_keys if k]
         self.max_queue_depth, self.priority = max_queue_depth, priority
         self.default_model, self.max_connections = default_model, max_connections
         self.no_worker_grace_s, self.queue_without_workers = no_worker_grace_s, queue_without_workers
         self.client: Optional[AsyncClient] = None
+        self.checks: Optional[ThreadPoolExecutor] = None
 
     async def start(self) -> None:
+        self.checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="genpool-gw-check")
         # On one server a blocking pool: each streaming request holds a connection in XREAD
         # BLOCK, and past the cap requests should wait for one rather than fail
         # (schemas/connection.py: per node in a cluster, uncapped behind Sentinel).
@@ -60,8 +93,19 @@ class Gateway:
         await check_memory_policy(self.client.redis, log)  # an evicting Redis loses jobs
 
     async def stop(self) -> None:
+        if self.checks is not None:
+            self.checks.shutdown(wait=False, cancel_futures=True)
         if self.client is not None:
             await self.client.close()
+
+    async def parse(self, kind: str, body) -> OpenAIRequest:
+        """parse_body; one whose constraint llguidance must check runs on the check threads."""
+        parse = functools.partial(parse_body, kind, body, priority=self.priority,
+                                  default_model=self.default_model)
+        if not (isinstance(body, dict) and (body.get("response_format") is not None
+                                            or body.get("structured_outputs") is not None)):
+            return parse()  # no constraint: microseconds, not worth a thread hop
+        return await asyncio.get_running_loop().run_in_executor(self.checks, parse)
 
     def authorize(self, request: Request) -> None:
         if not self.api_keys:
@@ -73,6 +117,13 @@ class Gateway:
         given = auth[7:].strip().encode()
         if not any(hmac.compare_digest(given, k) for k in self.api_keys):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def caller(self, request: Request) -> str:
+        """Whom the per-client bound counts: the API key when keys are checked (each key a caller),
+        else the peer's address (behind a proxy, the one uvicorn's forwarded-allow-ips trusts)."""
+        if self.api_keys:
+            return "key:" + request.headers.get("authorization", "")[7:].strip()
+        return "ip:" + (request.client.host if request.client else "unknown")
 
     async def queue_depth(self) -> int:
         """Entries no worker has picked up yet, over all lanes (pending ones are being served)."""
@@ -121,8 +172,19 @@ class Gateway:
 
     async def complete(self, request: Request, kind: str) -> Response:
         self.authorize(request)
-        body = await read_json(request)
-        req = parse_body(kind, body, priority=self.priority, default_model=self.default_model)
+        release = self.open.enter(self.caller(request))  # before the body: slow bodies count too
+        streaming = False
+        try:
+            resp = await self._complete(request, kind, release)
+            streaming = isinstance(resp, ClosingStream)  # it releases when the stream ends
+            return resp
+        finally:
+            if not streaming:
+                release()
+
+    async def _complete(self, request: Request, kind: str, release) -> Response:
+        body = await read_json(request, self.idle_timeout_s)
+        req = await self.parse(kind, body)
         try:  # lower runs first: the server's value is a ceiling
             check_priority(req.kwargs["priority"], self.priority, "this gateway")
         except ValueError as e:
@@ -137,7 +199,7 @@ class Gateway:
         job = await self.client.submit(**req.kwargs)
         try:
             if req.stream:
-                return await self.start_stream(request, job, req)
+                return await self.start_stream(request, job, req, release)
             res = await until_disconnect(request, job.result(raise_on_error=False))
         except ClientGone:
             await job.cancel()
@@ -146,8 +208,8 @@ class Gateway:
             raise error_from_event(res.error)
         return JSONResponse(completion_body(req, res))
 
-    async def start_stream(self, request: Request, job: AsyncJob, req: OpenAIRequest
-                           ) -> Response:
+    async def start_stream(self, request: Request, job: AsyncJob, req: OpenAIRequest,
+                           release) -> Response:
         """Answers once the job's first event is in, so a job its worker refuses (unknown
         model, prompt too long) gets its real HTTP status rather than a 200 stream."""
         events = job.stream(raise_on_error=False).__aiter__()
@@ -157,8 +219,8 @@ class Gateway:
             first, res = None, await job.result(raise_on_error=False)
             if res.error is not None:
                 raise error_from_event(res.error) from None
-        return StreamingResponse(self.sse(request, job, req, chain(first, events)),
-                                 headers=SSE_HEADERS, media_type="text/event-stream")
+        return ClosingStream(self.sse(request, job, req, chain(first, events)), release,
+                             headers=SSE_HEADERS, media_type="text/event-stream")
 
     async def sse(self, request: Request, job: AsyncJob, req: OpenAIRequest,
                   events: AsyncIterator) -> AsyncIterator[str]:
@@ -198,9 +260,14 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
                api_keys: Iterable[str] = (), max_queue_depth: Optional[int] = None,
                priority: int = GATEWAY_PRIORITY, default_model: Optional[str] = None,
                max_connections: int = 1000, no_worker_grace_s: float = 5.0,
-               queue_without_workers: bool = False) -> FastAPI:
+               queue_without_workers: bool = False, max_open: int = MAX_OPEN,
+               max_open_per_client: int = MAX_OPEN_PER_CLIENT,
+               idle_timeout_s: float = IDLE_TIMEOUT_S) -> FastAPI:
+    """The gateway app. Served by `genpool gateway`, it also gets the connection timeouts of
+    producer/gateway_http.py (header, idle, send); another server must bring its own."""
     gw = Gateway(url, prefix, api_keys, max_queue_depth, priority, default_model,
-                 max_connections, no_worker_grace_s, queue_without_workers)
+                 max_connections, no_worker_grace_s, queue_without_workers, max_open=max_open,
+                 max_open_per_client=max_open_per_client, idle_timeout_s=idle_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -210,7 +277,7 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
 
     app = FastAPI(title="genpool gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gw
-    _error_handlers(app)
+    install_error_handlers(app)
 
     @app.get("/v1/models")
     async def list_models(request: Request):
@@ -239,39 +306,3 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
         return {"status": "ok"}
 
     return app
-
-
-def queue_error(exc: redis.RedisError) -> APIError:
-    """The 503 an HTTP caller gets: no password, no path of this machine."""
-    return APIError(503, f"the job queue is unreachable ({type(exc).__name__}: "
-                         f"{scrub_paths(redact_text(str(exc)))})", "server_error",
-                    code="queue_unavailable")
-
-
-def _error_handlers(app: FastAPI) -> None:
-    """Every error leaves in OpenAI's shape, including FastAPI's own 404 / 405 / 422."""
-
-    @app.exception_handler(APIError)
-    async def api_error(_req, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_req, exc: Exception):  # never a plain-text 500, never a traceback
-        log.exception("unhandled error in the gateway")
-        err = APIError(500, f"internal error ({type(exc).__name__})", "server_error",
-                       code="internal")
-        return JSONResponse(err.body(), status_code=500)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_req, exc: StarletteHTTPException):
-        err = APIError(exc.status_code, str(exc.detail),
-                       "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(redis.RedisError)
-    async def queue_down(_req, exc: redis.RedisError):
-        return JSONResponse(queue_error(exc).body(), status_code=503)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_req, exc: RequestValidationError):
-        return JSONResponse(APIError(400, str(exc.errors())).body(), status_code=400)

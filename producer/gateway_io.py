@@ -1,15 +1,22 @@
 """The gateway's request plumbing: JSON bodies of sane size, server-sent events, fire-and-forget
-tasks, and awaiting the job while watching for the HTTP client to hang up (producer/gateway.py)."""
+tasks, bounds on open requests, and awaiting the job while watching for the HTTP client to hang
+up (producer/gateway.py)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-from fastapi import Request
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .openai_format import APIError
+from genpool.schemas.connection import redact_text
+
+from .openai_format import APIError, scrub_paths
 
 log = logging.getLogger("genpool.gateway")
 MAX_BODY_BYTES = 8 << 20
@@ -20,9 +27,65 @@ class ClientGone(Exception):
     """The HTTP client disconnected."""
 
 
-async def read_json(request: Request) -> Any:
+class OpenRequests:
+    """Completion requests in flight (streamed or not), in all and per client. One client's
+    never-read streams held every worker slot (200 of them made another caller's request time
+    out at 60 s); past its share a client gets 429, past the total everyone gets 503. One event
+    loop updates it: no lock."""
+
+    def __init__(self, total: int, per_client: int):
+        if total < 1 or per_client < 1:
+            raise ValueError(f"open-request bounds must be >= 1 (got {total}, {per_client})")
+        self.total, self.per_client = total, per_client
+        self.by_client: dict[str, int] = {}
+        self.open = 0
+
+    def enter(self, who: str) -> Callable[[], None]:
+        """Count one more request of `who`; returns the release, which only its first call does."""
+        if self.open >= self.total:
+            raise APIError(503, f"the gateway has {self.open} requests open (limit "
+                                f"{self.total}); retry later", "server_error", code="gateway_busy")
+        n = self.by_client.get(who, 0)
+        if n >= self.per_client:
+            raise APIError(429, f"this client has {n} requests open (limit {self.per_client} per "
+                                f"client); finish or close one first",
+                           type_="rate_limit_exceeded", code="too_many_open_requests")
+        self.by_client[who], self.open = n + 1, self.open + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.open -= 1
+                left = self.by_client.pop(who) - 1
+                if left:
+                    self.by_client[who] = left
+        return release
+
+
+class ClosingStream(StreamingResponse):
+    """A StreamingResponse that closes its generator (whose `finally` cancels an unfinished job)
+    and runs `on_close` however it ends: done, client gone, reader dropped, error."""
+
+    def __init__(self, content: AsyncIterator, on_close: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._on_close()
+
+
+async def read_json(request: Request, idle_timeout_s: Optional[float] = None) -> Any:
     """The body as JSON, refusing (OpenAI-shaped 4xx) anything but a JSON body of sane size and
-    depth. Only application/json: a browser can send text/plain or form bodies cross-site without
+    depth, or one whose sender goes quiet for `idle_timeout_s` (408, and the connection closed).
+    Only application/json: a browser can send text/plain or form bodies cross-site without
     a preflight, and those must never become jobs."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype and ctype != "application/json":  # (no header at all is no browser's doing)
@@ -33,8 +96,15 @@ async def read_json(request: Request) -> Any:
         raise APIError(400, f"the request body is {size} bytes; the limit is {MAX_BODY_BYTES}",
                        code="body_too_large")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            raw += await asyncio.wait_for(chunks.__anext__(), idle_timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stalled (no data for {idle_timeout_s:g} s)",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         if len(raw) > MAX_BODY_BYTES:
             raise APIError(400, f"the request body is over the {MAX_BODY_BYTES}-byte limit",
                            code="body_too_large")
@@ -129,3 +199,39 @@ async def iterate_until_disconnect(request: Request, ait: AsyncIterator) -> Asyn
             yield item
     finally:
         watcher.cancel()
+
+
+def queue_error(exc: redis.RedisError) -> APIError:
+    """The 503 an HTTP caller gets: no password, no path of this machine."""
+    return APIError(503, f"the job queue is unreachable ({type(exc).__name__}: "
+                         f"{scrub_paths(redact_text(str(exc)))})", "server_error",
+                    code="queue_unavailable")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape, including FastAPI's own 404 / 405 / 422."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_req, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_req, exc: Exception):  # never a plain-text 500, never a traceback
+        log.exception("unhandled error in the gateway")
+        err = APIError(500, f"internal error ({type(exc).__name__})", "server_error",
+                       code="internal")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_req, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail),
+                       "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(redis.RedisError)
+    async def queue_down(_req, exc: redis.RedisError):
+        return JSONResponse(queue_error(exc).body(), status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_req, exc: RequestValidationError):
+        return JSONResponse(APIError(400, str(exc.errors())).body(), status_code=400)

@@ -61,10 +61,12 @@ class APIError(Exception):
     """An error with an HTTP status and OpenAI's body shape (paths scrubbed from its message)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (status, message, type_,
                                                                        param, code)
+        self.headers = headers  # HTTP response headers (the gateway's; the batch runner has none)
 
     def body(self) -> dict:
         return {"error": {"message": scrub_paths(self.message), "type": self.type,

@@ -23,11 +23,10 @@ from typing import Callable, Optional
 
 import redis
 
-from genpool.schemas.connection import is_cluster
 from genpool.schemas import Keys
-
-from genpool.workers.intake import Entry
+from genpool.schemas.connection import is_cluster
 from genpool.schemas.scripts import FENCE_LUA
+from genpool.workers.intake import Entry
 
 log = logging.getLogger("genpool.worker")
 

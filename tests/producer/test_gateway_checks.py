@@ -1,0 +1,55 @@
+"""The gateway's own llguidance check of a constraint runs off the event loop (issue 28, item 10):
+concurrent big-schema requests must not stall /health. A real gateway in a thread (uvicorn),
+real httpx clients, real Redis; no worker, so each request ends in 503 no_workers after it was
+checked (the check is the part measured)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from genpool.schemas.structured import StructuredOutputs, check_structured
+from tests.pool_helpers import drop_prefix, new_prefix
+from tests.producer.test_gateway import serve_in_thread
+
+
+def wide(n: int) -> dict:
+    return {"type": "object", "properties": {f"f{i}": {"type": "string",
+                                                       "pattern": f"[a-z]{{{i % 7 + 1}}}x"}
+                                             for i in range(n)}}
+
+
+def test_big_schema_checks_do_not_stall_health(redis_url):
+    from genpool.producer.gateway import create_app
+
+    schema = wide(8000)  # ~450 KB: llguidance's check takes ~0.7 s here (the report: ~1.6 s)
+    t0 = time.monotonic()
+    assert check_structured(StructuredOutputs(json=schema)) is None
+    t_check = time.monotonic() - t0
+    prefix = new_prefix("gwcheck")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r",
+                                                                       "schema": schema}}}
+    statuses, lat = [], []
+    try:
+        with serve_in_thread(create_app(redis_url, prefix, no_worker_grace_s=0.1)) as base:
+            def post():
+                statuses.append(httpx.post(f"{base}/v1/chat/completions", json=body,
+                                           timeout=120).status_code)
+            posts = [threading.Thread(target=post) for _ in range(4)]
+            for t in posts:
+                t.start()
+            time.sleep(0.05)  # the bodies are in; their checks are running
+            while any(t.is_alive() for t in posts):
+                t1 = time.monotonic()
+                assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+                lat.append(time.monotonic() - t1)
+                time.sleep(0.02)
+            for t in posts:
+                t.join()
+    finally:
+        drop_prefix(redis_url, prefix)
+    assert statuses == [503] * 4, statuses  # checked, valid, then: no worker serves it
+    assert lat and max(lat) < t_check / 3, (f"/health took {max(lat):.2f} s while 4 checks of "
+                                            f"{t_check:.2f} s each ran", lat)
