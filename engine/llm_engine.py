@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 import weakref
 
 import torch
 
 from genpool.engine import isolation, limits
+from genpool.engine import resume as resume_mod
 from genpool.engine.block_manager import BlockManager
 from genpool.engine.config import EngineConfig
 from genpool.engine.cpu_alloc import trim_heap
+from genpool.engine.identity import ModelIdentity, model_identity
 from genpool.engine.output_processor import OutputProcessor
 from genpool.engine.outputs import CompletionOutput, RequestError, RequestOutput
 from genpool.engine.protocol import EngineStats
 from genpool.engine.request import Request
+from genpool.engine.resume import ResumeState
 from genpool.engine.sampler import Sampler, SampleRow, make_generator
 from genpool.engine.sampling_params import SamplingParams
 from genpool.engine.scheduler import SampledToken, Scheduler
@@ -62,6 +66,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(make_generator(config.seed))
+        # unseeded sampled requests get a seed from here at admission (reported as
+        # RequestOutput.seed, so a resume can reuse it); config.seed keeps a run reproducible
+        self._seed_source = random.Random(config.seed)
+        self._identity: ModelIdentity | None = None
         self.structured = StructuredOutputs(self.tokenizer, self.runner.args.vocab_size,
                                             self.eos_token_ids[0], config.grammar_compile_timeout_s)
         self.scheduler.is_ready = self.structured.is_ready  # constrained jobs wait for their grammar
@@ -102,8 +110,17 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def model_identity(self) -> ModelIdentity:
+        """What the output depends on besides the request (engine/identity.py); computed once."""
+        if self._identity is None:
+            self._identity = model_identity(self.config, self.model_path, self.tokenizer)
+        return self._identity
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    resume: ResumeState | None = None) -> None:
+        """Queue a request. `resume`: the tokens an earlier run of it already produced, per
+        completion; decoding continues after them (engine/resume.py). ValueError: refused."""
         params = params or SamplingParams()
         if self.closed:
             raise RuntimeError("the engine is closed")
@@ -116,14 +133,36 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
                              f"{max(params.stop_token_ids)}")
         params = limits.cap_max_tokens(params, len(ids), self.max_model_len)
+        if resume is not None:
+            resume_mod.check(resume, params, vocab)
         req = Request(request_id, text, ids, params, priority, arrival_time)
-        seq = self._new_seq(req, 0)
-        seq.pending_forks = params.n - 1
+        req.seed = resume_mod.sampling_seed(params, resume,
+                                            lambda: self._seed_source.getrandbits(63))
+        if resume is None:
+            seq = self._new_seq(req, 0)
+            seq.pending_forks = params.n - 1
+        else:
+            # may refuse (ValueError) before anything is queued
+            req.seqs = resume_mod.build_sequences(req, resume, self.scheduler, self.tokenizer)
         self.requests[request_id] = req
-        self.scheduler.add(seq)
-        if params.structured_outputs is not None:
-            self.structured.track(seq)  # compiles in the background; seq waits until it is ready
-        self._counters["prompt_tokens_total"] += len(ids)
+        for seq in req.seqs:
+            if seq.is_finished:  # the resumed tokens already ended it
+                continue
+            self.scheduler.add(seq)
+            if params.structured_outputs is not None:
+                self.structured.track(seq)  # compiles in the background; seq waits until ready
+        self._counters["prompt_tokens_total"] += len(ids)  # once, resumed or not
+        if any(s.is_finished for s in req.seqs):
+            self._report_resumed_finished(req)
+
+    def _report_resumed_finished(self, req: Request) -> None:
+        """Completions the resume found finished are reported by the next step (with no new
+        tokens); a request with all of them finished ends there."""
+        self._aborted.append(req.delta_output(resume_mod.finished_deltas(req.seqs)))
+        if req.finished:
+            req.metrics.finished_time = time.monotonic()
+            del self.requests[req.request_id]
+            self._counters["requests_finished"] += 1
 
     def _new_seq(self, req: Request, index: int, parent: Sequence | None = None) -> Sequence:
         if parent is None:
@@ -132,8 +171,7 @@ class LLMEngine:
         else:
             seq = parent.fork(index)
             self.structured.fork(parent, seq)  # each sample its own matcher
-        if req.params.seed is not None:
-            seq.generator = make_generator(req.params.seed + 7919 * index)
+        seq.seed = req.seed  # the index is part of each draw's key: n samples differ
         req.seqs.append(seq)
         return seq
 
@@ -284,7 +322,8 @@ class LLMEngine:
 
     def _row(self, seq: Sequence) -> SampleRow:
         eos = None if seq.params.ignore_eos else self.eos_token_ids[0]
-        return SampleRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, eos)
+        return SampleRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.seed, eos,
+                         seq.index)
 
     def _note_step_time(self, sched, dt: float) -> None:
         self._counters["step_count"] += 1

@@ -11,8 +11,16 @@ from genpool.engine.detokenizer import IncrementalDetokenizer
 from genpool.engine.outputs import CompletionOutput, RequestError, RequestOutput
 from genpool.engine.request import Request
 from genpool.engine.scheduler import SampledToken, Scheduler
+from genpool.engine.sequence import Sequence
 
 log = logging.getLogger("genpool.engine")
+
+
+def new_detokenizer(tokenizer, seq: Sequence) -> IncrementalDetokenizer:
+    """A sample's detokenizer (made at its first token, or primed by a resume: engine/resume.py)."""
+    p = seq.params
+    return IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop,
+                                  p.include_stop_str_in_output, min_tokens=p.min_tokens)
 
 
 class OutputProcessor:
@@ -56,11 +64,9 @@ class OutputProcessor:
 
     def _delta(self, s: SampledToken) -> CompletionOutput:
         """The new token's text; a stop string ends the sample ("stop" beats the scheduler's "length")."""
-        seq, tok, lp, p = s.seq, s.token, s.logprob, s.seq.params
+        seq, tok, lp = s.seq, s.token, s.logprob
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens, p.stop,
-                p.include_stop_str_in_output, min_tokens=p.min_tokens)
+            seq.detokenizer = new_detokenizer(self.tokenizer, seq)
         text = ""
         if s.finish_reason != "stop":  # eos and stop token ids add no text
             text, stop_str = seq.detokenizer.add([tok])

@@ -45,3 +45,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: RequestError | None = None  # set (with finished=True) when the engine failed it
+    # the seed every sampled draw of this request is keyed by: the request's own, or the one the
+    # engine drew for an unseeded sampled request (record it: a resume given it continues exactly;
+    # engine/resume.py). None for greedy requests, whose output does not depend on one.
+    seed: int | None = None

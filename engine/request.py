@@ -19,6 +19,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=now if arrival_time is None else arrival_time)
         self.seqs: list[Sequence] = []
         self.error = None  # engine.outputs.RequestError when the engine failed this request
+        self.seed: int | None = None  # the sampling seed (RequestOutput.seed)
 
     @property
     def finished(self) -> bool:
@@ -30,7 +31,7 @@ class Request:
         """RequestOutput carrying only what changed this step (for streaming)."""
         outs = [deltas[i] for i in sorted(deltas)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics, self.error)
+                             self.finished, self.metrics, self.error, self.seed)
 
     def full_output(self) -> RequestOutput:
         """The whole output of every sample so far."""
@@ -41,4 +42,4 @@ class Request:
                 s.index, det.text if det else "", s.output_token_ids, s.finish_reason,
                 list(s.logprobs) if self.params.logprobs is not None else None, s.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.finished, self.metrics, self.error)
+                             self.finished, self.metrics, self.error, self.seed)

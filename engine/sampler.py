@@ -1,11 +1,13 @@
 """Turn one row of logits per sequence into the next token (vLLM's processing order).
 
 Per row: min_tokens masking -> repetition penalty -> presence/frequency penalties -> greedy argmax
-(temperature 0) or temperature -> top_k -> top_p -> min_p -> sample with the row's generator.
+(temperature 0) or temperature -> top_k -> top_p -> min_p -> sample (engine/randomness.py).
 Logprobs (when asked) come from log_softmax of the RAW logits, before any of the above.
 
-A row's sampled token depends only on its own logits and its own generator, never on the other
-rows in the batch, so a seeded request gives the same text whatever it is batched with.
+A seeded row's draw is counter-based: one uniform from (seed, completion index, step), the step
+being the number of output tokens the row already has (engine/randomness.py). The sampled token
+therefore depends only on the row's own logits and that key: never on the other rows in the batch,
+on preemption, or on which worker runs it (a resumed completion continues at its step).
 
 Non-finite values (a model that overflowed, parameters that pushed a logit to inf) are caught per
 row: that row gets token -1 and an entry in `Sampler.row_errors`, and every other row is sampled
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .outputs import RequestError
+from .randomness import counter_uniform, sample_inverse_cdf
 from .sampling_params import SamplingParams
 
 FAILED = -1  # the token of a row that could not be sampled (see Sampler.row_errors)
@@ -28,8 +31,9 @@ class SampleRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    seed: int | None = None  # None: the Sampler's shared generator draws (not reproducible by key)
     eos_token_id: int | None = None
+    index: int = 0  # which of the request's n completions: part of the counter's key
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -122,7 +126,8 @@ class Sampler:
     """`sampler(logits [N, V], rows) -> (token ids, logprob dicts or None)`."""
 
     def __init__(self, generator: torch.Generator | None = None):
-        # used by rows without their own generator; None means torch's default generator
+        # draws for rows without a seed (the engine gives every sampled row one); None means
+        # torch's default generator
         self.generator = generator
         # row index -> why it got no token (FAILED), for the last call only
         self.row_errors: dict[int, RequestError] = {}
@@ -191,10 +196,13 @@ class Sampler:
         total = float(probs.sum())  # one pass: nan or inf anywhere makes the sum non-finite
         if not 0.0 < total < float("inf"):
             raise _NonFinite()
-        gen = row.generator if row.generator is not None else self.generator
-        if gen is not None and gen.device != probs.device:
-            probs = probs.to(gen.device)  # e.g. CUDA logits with a CPU generator
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return sample_inverse_cdf(probs, self._uniform(row))
+
+    def _uniform(self, row: SampleRow) -> float:
+        """The row's one uniform for this step: keyed by (seed, index, step) when seeded."""
+        if row.seed is not None:
+            return counter_uniform(row.seed, row.index, len(row.output_token_ids))
+        return float(torch.rand((), generator=self.generator))
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: list[SampleRow], tokens: list[int]

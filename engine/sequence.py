@@ -41,7 +41,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.pending_forks = 0  # n > 1: children still to fork off after the prompt is computed
-        self.generator = None  # per-sample torch.Generator when a seed is given
+        # the sampling seed: the request's, or one the engine drew at admission (RequestOutput.seed);
+        # with the index and the output length it keys every draw (engine/randomness.py)
+        self.seed: int | None = None
         self.detokenizer = None
         self.matcher = None  # llguidance matcher of a constrained sample (engine/structured.py)
         self.logprobs: list[dict[int, float]] = []

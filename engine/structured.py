@@ -14,8 +14,9 @@ Unconstrained rows never touch any of this: with no constrained row in the step,
 scan over the step's sequences for a non-None `matcher` and nothing else.
 
 A matcher's state always equals the tokens the sequence holds: it consumes exactly the tokens
-appended to it, preemption by recompute keeps those tokens, and n > 1 children copy their parent's
-matcher when they fork (before either consumed a generated token).
+appended to it, preemption by recompute keeps those tokens, n > 1 children copy their parent's
+matcher when they fork (before either consumed a generated token), and a resumed sequence's new
+matcher first consumes the tokens it was resumed with (`poll`).
 """
 from __future__ import annotations
 
@@ -93,10 +94,24 @@ class StructuredOutputs:
                     failed.append((seq.request_id, self._timeout_message(seq)))
                 else:
                     seq.matcher = res.matcher.deep_copy()
+                    error = self._advance(seq)
+                    if error is not None:
+                        failed.append((seq.request_id, error))
             elif started is not None and now >= started + self.compile_timeout_s:
                 self._forget(seq)  # the limit counts from the compile's start, not the queue
                 failed.append((seq.request_id, self._timeout_message(seq)))
         return failed
+
+    @staticmethod
+    def _advance(seq: Sequence) -> str | None:
+        """A resumed sequence already holds output tokens (engine/resume.py): the new matcher
+        consumes them, so that its state equals the tokens held. The error when it rejects one."""
+        for pos, tok in enumerate(seq.output_token_ids):
+            if not seq.matcher.consume_token(tok):
+                return describe_error(seq.params.structured_outputs.kind, (
+                    f"resume refused: the constraint rejects resumed token {tok} at position "
+                    f"{pos}: {seq.matcher.get_error()}"))
+        return None
 
     def _forget(self, seq: Sequence) -> None:
         self.cache.release(self.pending.pop(seq))  # the last waiter cancels an unstarted compile

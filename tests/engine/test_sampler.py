@@ -20,8 +20,7 @@ INF = float("inf")
 
 def row(prompt=(), output=(), seed=None, eos=None, **kw):
     params = SamplingParams(seed=seed, **kw)
-    gen = make_generator(seed) if seed is not None else None
-    return SampleRow(params, list(prompt), list(output), gen, eos)
+    return SampleRow(params, list(prompt), list(output), seed, eos)
 
 
 def logits_for(probs):
@@ -111,12 +110,12 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
 
 
 def draw(logits, n, **kw):
-    """n samples from one row of logits with one generator."""
-    r = row(seed=1234, **kw)
+    """n samples from one row of logits with one seed: steps 0..n-1 of the counter (the step is
+    the number of output tokens the row already has; these tokens have no effect without penalties)."""
     s = Sampler()
     counts = torch.zeros(logits.shape[-1])
-    for _ in range(n):
-        t = s(logits.unsqueeze(0), [r])[0][0]
+    for k in range(n):
+        t = s(logits.unsqueeze(0), [row(seed=1234, output=[0] * k, **kw)])[0][0]
         counts[t] += 1
     return counts / n
 
@@ -142,11 +141,11 @@ def test_same_seed_same_tokens_whatever_the_batch():
     s = Sampler()
 
     def run(position, companions):
-        target = row(seed=42, temperature=0.9, top_p=0.95)
         others = [row(seed=100 + i, temperature=1.3) if i % 2 else row() for i in range(companions)]
-        rows = others[:position] + [target] + others[position:]
         out = []
         for x in steps:
+            target = row(seed=42, temperature=0.9, top_p=0.95, output=out)  # step = len(out)
+            rows = others[:position] + [target] + others[position:]
             lg = x[: len(rows)].clone()
             lg[position] = x[4]  # the target's logits are the same whatever its row index
             out.append(s(lg, rows)[0][position])
@@ -155,8 +154,9 @@ def test_same_seed_same_tokens_whatever_the_batch():
     ref = run(0, 0)
     assert run(0, 3) == ref and run(2, 4) == ref and run(1, 1) == ref
     assert len(set(ref)) > 3  # it really sampled
-    other = row(seed=43, temperature=0.9, top_p=0.95)
-    assert [s(x[4:5], [other])[0][0] for x in steps] != ref
+    other = [s(x[4:5], [row(seed=43, temperature=0.9, top_p=0.95, output=ref[:k])])[0][0]
+             for k, x in enumerate(steps)]
+    assert other != ref
 
 
 def test_rows_without_generator_use_the_sampler_generator():

@@ -1,0 +1,107 @@
+"""Which model an engine runs, as a resume needs to know it: `ModelIdentity`.
+
+A job resumed on another worker continues exactly only if that worker computes the same logits and
+reads token ids the same way. So the identity is what decides both: the checkpoint's revision
+(a fingerprint of its files), the dtype, the quantization and the tokenizer. The worker records
+`identity.key` (or `to_dict()`) with a job's first token; a taker whose identity `mismatch()`es
+restarts the job instead, and `mismatch()` says why.
+
+The name the engine was started with (`model`) is carried for the record but not compared: one
+checkpoint may sit at different paths on different machines, and which name a job is served under
+is the pool's business. The device and kernel backend are not compared either: they change fp32
+sums only in the last bits (near-ties apart, as the parity tests allow), as batching does.
+
+The revision fingerprint reads, of every weight file, its name, its size and 16 slices of 64 KiB
+spread over it (first and last included), plus config.json: ~1 MiB a file, so it costs
+milliseconds even for a large model, and two fine-tunes of one architecture (same headers, same
+sizes) still differ in their sampled bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from genpool.engine.config import DTYPES, EngineConfig
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_SLICES, _SLICE_BYTES = 16, 64 << 10
+_COMPARED = ("revision", "dtype", "quantization", "tokenizer")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    model: str  # as configured (a registry name or a path): informative, not compared
+    revision: str  # fingerprint of config.json and the weight files (hex)
+    dtype: str  # canonical torch name: "float32", "bfloat16", "float16"
+    quantization: str | None  # None, "int8", "gguf", "awq" (an AWQ checkpoint counts unasked)
+    tokenizer: str  # hash of the tokenizer's full definition and chat template (hex)
+
+    @property
+    def key(self) -> str:
+        """One short string for the compared fields: equal keys, same logits and token ids."""
+        blob = json.dumps([getattr(self, f) for f in _COMPARED]).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def mismatch(self, other: "ModelIdentity") -> str | None:
+        """Why a job started on `self` cannot continue exactly on `other` (None: it can)."""
+        diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}" for f in _COMPARED
+                 if getattr(self, f) != getattr(other, f)]
+        return "model identity differs: " + ", ".join(diffs) if diffs else None
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), key=self.key)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelIdentity":
+        return cls(**{f: data[f] for f in ("model", *_COMPARED)})
+
+
+def _file_fingerprint(h, path: Path) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        step = max(1, (size - _SLICE_BYTES) // (_SLICES - 1)) if size > _SLICE_BYTES else size
+        for i in range(_SLICES):
+            offset = min(i * step, max(0, size - _SLICE_BYTES))
+            f.seek(offset)
+            h.update(f.read(_SLICE_BYTES))
+            if size <= _SLICE_BYTES:
+                break
+
+
+def revision_fingerprint(model_path: Path) -> str:
+    """config.json plus the sampled bytes of every weight file in the checkpoint directory."""
+    model_path = Path(model_path)
+    h = hashlib.sha256()
+    cfg = model_path / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for f in sorted(model_path.iterdir()):
+        if f.suffix in _WEIGHT_SUFFIXES and f.is_file():  # a symlink to a .gguf counts too
+            _file_fingerprint(h, f.resolve())
+    return h.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """The fast tokenizer's whole serialisation (vocabulary, merges, normaliser, special tokens)
+    when it has one, else its vocabulary; plus the chat template (it makes the prompt's ids)."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()[:32]
+
+
+def model_identity(config: EngineConfig, model_path: Path, tokenizer) -> ModelIdentity:
+    from genpool.engine.models.quant import checkpoint_quantization
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return ModelIdentity(
+        model=str(config.model), revision=revision_fingerprint(model_path),
+        dtype=DTYPES[config.dtype], quantization=checkpoint_quantization(cfg, config.quantization),
+        tokenizer=tokenizer_fingerprint(tokenizer))
