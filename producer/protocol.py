@@ -8,10 +8,9 @@ from pydantic import ValidationError
 
 from genpool.schemas import ChatMessage, ErrorEvent, JobRequest, ResultEvent, describe_validation_error
 from genpool.schemas import parse_event as _parse_event
+from genpool.schemas.keys import CONTROL_MAXLEN, JOB_TTL_S  # noqa: F401 - re-exported for producers
 from genpool.schemas.structured import check_structured, from_response_format, schema_of
 
-JOB_TTL_S = 7 * 86400  # a queued job's hash lives this long; workers shorten it once done
-CONTROL_MAXLEN = 10_000
 READ_BLOCK_MS = 5_000
 READ_COUNT = 1_000
 

@@ -24,6 +24,21 @@ GROUP = "workers"
 JOB_STATES = ("queued", "running", "done", "error", "cancelled", "expired", "dead")
 FINISHED_STATES = JOB_STATES[2:]
 
+# Wire numbers: how long each key lives and how far each stream grows (docs/protocol.md, "Keys").
+JOB_TTL_S = 7 * 86400  # a queued job's hash lives this long; workers shorten it once done
+RESULT_TTL_S = 86400  # a finished job's hash and event stream are kept this long
+EVENTS_MAXLEN = 16384  # a job's event stream, approximately (older events are trimmed)
+CONTROL_MAXLEN = 10_000  # the broadcast control stream (cancels)
+DEAD_MAXLEN = 100_000  # the dead-letter stream
+META_TTL_S = 30 * 86400  # the deployment's meta hash (lane shards), refreshed by every worker start
+WORKER_STALE_S = 3600  # a worker whose last beat is this old is dropped from the workers hash
+
+
+def heartbeat_ttl_s(interval_s: float) -> int:
+    """A worker's liveness key outlives two missed beats."""
+    return max(5, int(3 * interval_s + 1))
+
+
 # Lane shards per priority (Keys.lane_shards); more than a cluster has nodes buys nothing.
 MAX_LANE_SHARDS = 64
 

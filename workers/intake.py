@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from typing import Optional
 
 from pydantic import ValidationError
@@ -16,61 +15,12 @@ from pydantic import ValidationError
 from genpool.schemas import ErrorEvent, JobRequest, describe_validation_error
 from genpool.schemas.keys import JOB_ID_CHARS
 from genpool.schemas.keys import JOB_ID_RE as _VALID_ID
+from genpool.workers.job import Entry, Job, _b
+
+__all__ = ["Entry", "MAX_PAYLOAD_BYTES", "parse_entry"]
 
 _ID_RE = re.compile(rb'"id"\s*:\s*"(' + JOB_ID_CHARS.encode() + rb')"')
 MAX_PAYLOAD_BYTES = 8 << 20  # a request above this is refused before any JSON parsing
-DEAD_PAYLOAD_BYTES = 64 << 10  # how much of a junk entry is copied into the dead-letter stream
-
-
-@dataclass
-class Entry:
-    """One entry of a lane stream, as read (bytes: it may hold anything a client XADDed)."""
-    stream: str
-    lane: str
-    entry_id: str
-    fields: dict
-    deliveries: int = 1
-    # "new": read fresh (">"), so prefix routing may hand it to a peer; "handed": a peer handed
-    # it to this worker (it is never handed on again); "": reclaimed or our own pending entry
-    origin: str = ""
-
-    @property
-    def enqueued_at(self) -> float:
-        """The entry id's millisecond part: when Redis accepted the XADD."""
-        try:
-            return int(self.entry_id.split("-", 1)[0]) / 1000.0
-        except ValueError:
-            return 0.0
-
-    def payload(self) -> Optional[bytes]:
-        v = self.fields.get(b"job", self.fields.get("job"))
-        return v.encode() if isinstance(v, str) else v
-
-    def dead_payload(self) -> str:
-        """A bounded copy of the entry for the dead-letter stream, as valid UTF-8 (invalid bytes
-        become \\xNN escapes) so any client can read the dead-letter stream as text."""
-        raw = self.payload()
-        if raw is None:
-            return repr({_b(k): _b(v)[:200] for k, v in list(self.fields.items())[:20]})
-        return raw[:DEAD_PAYLOAD_BYTES].decode("utf-8", "backslashreplace")
-
-
-def _b(v) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-
-
-@dataclass
-class Parsed:
-    entry: Entry
-    req: Optional[JobRequest] = None
-    job_id: Optional[str] = None  # the request's id, or one recovered from a broken request
-    error: Optional[ErrorEvent] = None  # tell the job's reader (job_id is set)
-    dead_reason: Optional[str] = None  # no reader to tell: dead-letter the entry
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.req is not None
 
 
 def _recover_id(raw: bytes) -> Optional[str]:
@@ -78,18 +28,22 @@ def _recover_id(raw: bytes) -> Optional[str]:
     return m.group(1).decode() if m else None
 
 
-def _fail(entry: Entry, job_id: Optional[str], code: str, message: str) -> Parsed:
+def _fail(entry: Entry, job_id: Optional[str], code: str, message: str) -> Job:
     if job_id:
-        return Parsed(entry, job_id=job_id, error=ErrorEvent(code=code, message=message))
-    return Parsed(entry, dead_reason=message)
+        return _job(entry, job_id=job_id, error=ErrorEvent(code=code, message=message))
+    return _job(entry, dead_reason=message)
 
 
-def parse_entry(entry: Entry, served_models: frozenset[str]) -> Parsed:
+def _job(entry: Entry, **parsed) -> Job:
+    return Job(entry, **parsed)
+
+
+def parse_entry(entry: Entry, served_models: frozenset[str]) -> Job:
     """Validate one entry against the protocol and this worker's model names."""
     raw = entry.payload()
     if raw is None:
         names = ", ".join(sorted(_b(k) for k in entry.fields))[:200]
-        return Parsed(entry, dead_reason=f"entry has no 'job' field (fields: {names or 'none'})")
+        return _job(entry, dead_reason=f"entry has no 'job' field (fields: {names or 'none'})")
     if len(raw) > MAX_PAYLOAD_BYTES:
         return _fail(entry, _recover_id(raw), "invalid_request",
                      f"job is {len(raw)} bytes; the limit is {MAX_PAYLOAD_BYTES}")
@@ -107,13 +61,13 @@ def parse_entry(entry: Entry, served_models: frozenset[str]) -> Parsed:
     return _validate(entry, obj, served_models)
 
 
-def _validate(entry: Entry, obj, served_models: frozenset[str]) -> Parsed:
+def _validate(entry: Entry, obj, served_models: frozenset[str]) -> Job:
     if not isinstance(obj, dict):
-        return Parsed(entry, dead_reason=f"job must be a JSON object, got {type(obj).__name__}")
+        return _job(entry, dead_reason=f"job must be a JSON object, got {type(obj).__name__}")
     job_id = obj.get("id")
     if not (isinstance(job_id, str) and _VALID_ID.match(job_id)):
         why = "missing 'id'" if job_id is None else f"invalid 'id' {str(job_id)[:80]!r}"
-        return Parsed(entry, dead_reason=f"job has {why}: nobody could read its result "
+        return _job(entry, dead_reason=f"job has {why}: nobody could read its result "
                                          "(ids are 1-128 of [A-Za-z0-9_.-])")
     try:
         req = JobRequest.model_validate(obj)
@@ -123,4 +77,4 @@ def _validate(entry: Entry, obj, served_models: frozenset[str]) -> Parsed:
         return _fail(entry, job_id, "unknown_model",
                      f"model {req.model!r} is not served here; this pool serves "
                      f"{', '.join(sorted(served_models))}")
-    return Parsed(entry, req=req, job_id=job_id)
+    return _job(entry, req=req, job_id=job_id)

@@ -18,15 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import redis
 
 from genpool.schemas import Keys
-from genpool.schemas.connection import is_cluster
+from genpool.schemas.scripting import Script, pipelined
 from genpool.schemas.scripts import FENCE_LUA
-from genpool.workers.intake import Entry
+from genpool.workers.job import Entry, Fence, Job
+
+FENCE = Script(FENCE_LUA)
+__all__ = ["FENCE", "Fence", "LeaseKeeper", "fence_call", "lease_outcomes", "new_token"]
 
 log = logging.getLogger("genpool.worker")
 
@@ -37,28 +39,9 @@ def new_token(worker: str, nonce: Optional[str] = None) -> str:
     return f"{worker}/{nonce or uuid.uuid4().hex[:16]}"
 
 
-@dataclass(frozen=True)
-class Fence:
-    """What every write for one attempt at a job carries: its token, and its attempt number
-    (stamped on the events, so a reader can tell two attempts' tokens apart)."""
-    token: str
-    attempt: int
-
-
-@dataclass
-class Lease:
-    job_id: str
-    entry: Entry
-    token: str
-
-
-def fence_call(pipe_or_redis, sha: str, keys: Keys, job_id: str, token: str, op: str, *args):
-    """FENCE_LUA on one job's two keys (one slot: their `{id}` hash tag). redis-py refuses
-    EVALSHA in cluster pipelines, so on a cluster the script's body travels with EVAL."""
-    if is_cluster(pipe_or_redis):
-        return pipe_or_redis.execute_command("EVAL", FENCE_LUA, 2, keys.job(job_id), keys.events(job_id),
-                                             token, op, *args)
-    return pipe_or_redis.evalsha(sha, 2, keys.job(job_id), keys.events(job_id), token, op, *args)
+def fence_call(pipe, keys: Keys, job_id: str, token: str, op: str, *args) -> None:
+    """Queue FENCE_LUA on one job's two keys (one slot: their `{id}` hash tag)."""
+    FENCE.queue(pipe, [keys.job(job_id), keys.events(job_id)], [token, op, *args])
 
 
 class LeaseKeeper:
@@ -77,10 +60,9 @@ class LeaseKeeper:
         # a refresh that would XCLAIM the entry back from the peer it was just given to
         self._refresh_lock = threading.Lock()
         self._entries: dict[tuple[str, str], Entry] = {}
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, Job] = {}  # job id -> the job whose fence holds the lease
         self._lost: list[str] = []
         self._stop = threading.Event()
-        self._sha: Optional[str] = None  # loaded on first use (Redis may be down at start)
         self._thread: Optional[threading.Thread] = None
 
     # -- what the loop holds ------------------------------------------------------------------
@@ -88,10 +70,11 @@ class LeaseKeeper:
         with self._lock:
             self._entries[(entry.stream, entry.entry_id)] = entry
 
-    def grant(self, lease: Lease) -> None:
+    def grant(self, job: Job) -> None:
+        """Renew this job's lease (job.fence) until it is dropped."""
         with self._lock:
-            self._leases[lease.job_id] = lease
-            self._entries[(lease.entry.stream, lease.entry.entry_id)] = lease.entry
+            self._leases[job.job_id] = job
+            self._entries[(job.entry.stream, job.entry.entry_id)] = job.entry
 
     def drop(self, entry: Entry, job_id: Optional[str] = None) -> None:
         with self._lock:
@@ -112,14 +95,7 @@ class LeaseKeeper:
 
     def call(self, job_id: str, token: str, op: str, *args):
         """One fenced call now (not pipelined): 1 when it landed, 0 when the lease is gone."""
-        for attempt in (0, 1):
-            if self._sha is None or attempt:
-                self._sha = self.r.script_load(FENCE_LUA)
-            try:
-                return fence_call(self.r, self._sha, self.keys, job_id, token, op, *args)
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
+        return FENCE(self.r, [self.keys.job(job_id), self.keys.events(job_id)], [token, op, *args])
 
     def holds(self, entry: Entry) -> bool:
         with self._lock:
@@ -163,13 +139,7 @@ class LeaseKeeper:
             entries = dict(self._entries)
         error = None
         if leases:
-            if self._sha is None:
-                self._sha = self.r.script_load(FENCE_LUA)
-            pipe = self.r.pipeline(transaction=False)
-            for lease in leases:
-                fence_call(pipe, self._sha, self.keys, lease.job_id, lease.token, "renew",
-                           self.lease_ms)
-            answers = self._execute(pipe, leases)
+            answers = pipelined(self.r, leases, self._queue_renew, [FENCE])
             for lease, raw, held in zip(leases, answers, lease_outcomes(answers)):
                 if held is None:
                     error = error or RenewalError(f"job {lease.job_id}: {raw}")
@@ -191,19 +161,8 @@ class LeaseKeeper:
         if error is not None:
             raise error
 
-    def _execute(self, pipe, leases: list) -> list:
-        res = pipe.execute(raise_on_error=False)
-        if any(isinstance(x, redis.exceptions.NoScriptError) for x in res):
-            self._sha = self.r.script_load(FENCE_LUA)  # Redis restarted: load, try once more
-            pipe = self.r.pipeline(transaction=False)
-            for lease in leases:
-                fence_call(pipe, self._sha, self.keys, lease.job_id, lease.token, "renew",
-                           self.lease_ms)
-            res = pipe.execute(raise_on_error=False)
-        for x in res:  # Redis itself is away: nothing to refresh either
-            if isinstance(x, (redis.ConnectionError, redis.TimeoutError)):
-                raise x
-        return res
+    def _queue_renew(self, pipe, job: Job) -> None:
+        fence_call(pipe, self.keys, job.job_id, job.fence.token, "renew", self.lease_ms)
 
 
 class RenewalError(redis.RedisError):

@@ -21,11 +21,11 @@ class WorkerObserver:
         """The worker joined the consumer group and is about to read jobs."""
 
     def job_received(self, verdict) -> None:
-        """An entry was read and its job id checked (admission.Verdict: .kind, .parsed.req,
-        .parsed.job_id); it is about to be started, rejected or acknowledged as a duplicate."""
+        """An entry was read and its job id checked (a workers.job.Job: .claim, .req, .job_id,
+        .attempt); it is about to be started, rejected or acknowledged as a duplicate."""
 
     def job_started(self, job) -> None:
-        """A job (jobstate.InFlight) entered the engine."""
+        """A job (workers.job.Job) entered the engine."""
 
     def job_token(self, job, ev) -> None:
         """A job produced new tokens this step (schemas.TokenEvent)."""

@@ -22,15 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import redis
-
 from genpool.schemas import ErrorEvent, Keys, RestartEvent, ResultEvent, TokenEvent
-from genpool.schemas.connection import REDIS_DOWN, is_cluster
-from genpool.schemas.keys import hash_tag
-from genpool.schemas.scripts import ACK_LUA, FENCE_LUA
-from genpool.workers.intake import Entry
-from genpool.workers.jobstate import InFlight
-from genpool.workers.lease import Fence, fence_call
+from genpool.schemas.connection import is_cluster
+from genpool.schemas.keys import DEAD_MAXLEN, EVENTS_MAXLEN, JOB_TTL_S, RESULT_TTL_S, hash_tag
+from genpool.schemas.scripting import Script, pipelined
+from genpool.schemas.scripts import ACK_LUA
+from genpool.workers.job import Entry, Fence, Job
+from genpool.workers.lease import FENCE, fence_call
 from genpool.workers.observe import Observers
 from genpool.workers.streams import WritesRefused, refused
 
@@ -40,29 +38,43 @@ log = logging.getLogger("genpool.worker")
 ERROR_STATES = {"cancelled": "cancelled", "expired": "expired", "dead_lettered": "dead"}
 
 
+ACK = Script(ACK_LUA)
+
+
 @dataclass
-class _Op:
+class Write:
+    """One write for one job (every entry a worker holds is a Job, workers/job.py)."""
     kind: str  # events | final | release | ack | dead
-    job_id: Optional[str] = None
-    fence: Optional[Fence] = None
+    job: Job
+    fenced: bool = True  # carries the job's fence (an ack, or an unfenced dead letter, does not)
     events: list[str] = field(default_factory=list)  # event JSONs
     final: tuple = ()  # (state, field) of a terminal write
-    entry: Optional[Entry] = None  # acknowledged once the op (if fenced) landed
+    ends: bool = False  # its entry is acknowledged once it (if fenced) landed
     dead: Optional[dict] = None  # dead-letter fields, added with the ack
-    job: Optional[InFlight] = None
     refusal: Optional[Exception] = None  # Redis refused it (last time it was sent)
     held: bool = False  # queued again after a refusal, its entry (and lease) held meanwhile
 
+    @property
+    def job_id(self) -> Optional[str]:
+        return self.job.job_id
+
+    @property
+    def fence(self) -> Optional[Fence]:
+        return self.job.fence if self.fenced else None
+
+    @property
+    def entry(self) -> Optional[Entry]:
+        return self.job.entry if self.ends else None
+
 
 class Outbox:
-    def __init__(self, keys: Keys, worker: str, events_maxlen: int = 16384,
-                 result_ttl_s: int = 86400, job_ttl_s: int = 7 * 86400,
-                 dead_maxlen: int = 100_000):
+    def __init__(self, keys: Keys, worker: str, events_maxlen: int = EVENTS_MAXLEN,
+                 result_ttl_s: int = RESULT_TTL_S, job_ttl_s: int = JOB_TTL_S,
+                 dead_maxlen: int = DEAD_MAXLEN):
         self.keys, self.worker = keys, worker
         self.events_maxlen, self.dead_maxlen = events_maxlen, dead_maxlen
         self.result_ttl_s, self.job_ttl_s = result_ttl_s, job_ttl_s
-        self.ops: list[_Op] = []
-        self._shas: dict[str, str] = {}  # script -> SHA loaded on this server (not on a cluster)
+        self.ops: list[Write] = []
         # told of every job's end: result() and error() run once per job, resends never do
         self.observers = Observers()
 
@@ -75,46 +87,45 @@ class Outbox:
             ev.attempt = fence.attempt
         return ev.model_dump_json(exclude_none=True)
 
-    def token(self, job_id: str, ev: TokenEvent, fence: Fence) -> None:
-        self.ops.append(_Op("events", job_id, fence, [self._event_json(ev, fence)]))
+    def token(self, job: Job, ev: TokenEvent) -> None:
+        self.ops.append(Write("events", job, events=[self._event_json(ev, job.fence)]))
 
-    def restart(self, job_id: str, reason: str, fence: Fence) -> None:
-        ev = RestartEvent(reason=reason, attempt=fence.attempt)
-        self.ops.append(_Op("events", job_id, fence, [self._event_json(ev, fence)]))
+    def restart(self, job: Job, reason: str) -> None:
+        ev = RestartEvent(reason=reason, attempt=job.fence.attempt)
+        self.ops.append(Write("events", job, events=[self._event_json(ev, job.fence)]))
 
-    def release(self, job_id: str, fence: Fence) -> None:
+    def release(self, job: Job) -> None:
         """Hand an unfinished job back (drain timeout): the next worker reruns it uncharged."""
-        self.ops.append(_Op("release", job_id, fence))
+        self.ops.append(Write("release", job))
 
     # -- terminal writes (each one acknowledged after it landed) --------------------------
-    def result(self, job: InFlight, ev: ResultEvent) -> None:
+    def result(self, job: Job, ev: ResultEvent) -> None:
         self.observers.emit("job_finished", job, ev)
-        self.ops.append(_Op("final", job.id, job.fence, [self._event_json(ev, job.fence)],
-                            ("done", "result"), job.entry, job=job))
+        self.ops.append(Write("final", job, events=[self._event_json(ev, job.fence)],
+                              final=("done", "result"), ends=True))
 
-    def error(self, job_id: str, entry: Entry, ev: ErrorEvent, fence: Fence,
-              job: Optional[InFlight] = None, dead: Optional[dict] = None) -> None:
+    def error(self, job: Job, ev: ErrorEvent, dead: Optional[dict] = None) -> None:
         state = ERROR_STATES.get(ev.code, "error")
-        self.observers.emit("job_failed", job_id, ev, job)
-        self.ops.append(_Op("final", job_id, fence, [self._event_json(ev, fence)],
-                            (state, "error"), entry, dead, job))
+        self.observers.emit("job_failed", job.job_id, ev, job)
+        self.ops.append(Write("final", job, events=[self._event_json(ev, job.fence)],
+                              final=(state, "error"), ends=True, dead=dead))
 
-    def ack(self, entry: Entry) -> None:
+    def ack(self, job: Job) -> None:
         """Acknowledge an entry nobody owns a lease on (a duplicate id, a finished job)."""
-        self.ops.append(_Op("ack", entry=entry))
+        self.ops.append(Write("ack", job, fenced=False, ends=True))
 
-    def dead(self, entry: Entry, reason: str, job_id: Optional[str] = None,
-             fence: Optional[Fence] = None) -> None:
-        """Move an entry to the dead-letter stream; tell its reader when there is one."""
+    def dead(self, job: Job, reason: str, tell_reader: bool = True) -> None:
+        """Move an entry to the dead-letter stream; tell its reader when there is one (a job
+        id, a lease, and `tell_reader`)."""
+        entry = job.entry
         fields = {"reason": reason[:2000], "stream": entry.stream, "source_entry": entry.entry_id,
                   "deliveries": entry.deliveries, "payload": entry.dead_payload(),
                   "worker": self.worker, "at": f"{time.time():.6f}"}
-        if job_id and fence is not None:
-            fields["job_id"] = job_id
-            self.error(job_id, entry, ErrorEvent(code="dead_lettered", message=reason), fence,
-                       dead=fields)
+        if tell_reader and job.job_id and job.fence is not None:
+            fields["job_id"] = job.job_id
+            self.error(job, ErrorEvent(code="dead_lettered", message=reason), dead=fields)
         else:
-            self.ops.append(_Op("dead", entry=entry, dead=fields))
+            self.ops.append(Write("dead", job, fenced=False, ends=True, dead=fields))
 
     def discard(self, job_id: str) -> None:
         """Forget every queued write for a job this worker no longer holds (they would be
@@ -122,17 +133,17 @@ class Outbox:
         self.ops = [op for op in self.ops if op.job_id != job_id]
 
     # -- sending -------------------------------------------------------------------------
-    def take(self) -> list[_Op]:
+    def take(self) -> list[Write]:
         ops, self.ops = self.ops, []
         return ops
 
     @staticmethod
-    def _calls(ops: list[_Op]) -> list[list[_Op]]:
+    def _calls(ops: list[Write]) -> list[list[Write]]:
         """The fenced calls for `ops`: a job's events, and the final write after them, go in
         one call, so Redis applies or refuses them together (a result can never land when a
         token before it was refused). A release, or another attempt's op, starts a new call."""
-        calls: list[list[_Op]] = []
-        run: dict[str, Optional[list[_Op]]] = {}
+        calls: list[list[Write]] = []
+        run: dict[str, Optional[list[Write]]] = {}
         for op in ops:
             cur = run.get(op.job_id)
             if cur is not None and op.kind in ("events", "final") and op.fence == cur[0].fence:
@@ -143,7 +154,7 @@ class Outbox:
             run[op.job_id] = cur if op.kind == "events" else None
         return calls
 
-    def _queue(self, pipe, call: list[_Op]) -> None:
+    def _queue(self, pipe, call: list[Write]) -> None:
         op, events = call[-1], [ev for o in call for ev in o.events]
         if op.kind == "events":
             args = [self.events_maxlen, self.job_ttl_s, *events]
@@ -152,19 +163,18 @@ class Outbox:
                     self.worker, *events]
         else:  # release
             args = []
-        fence_call(pipe, self._shas.get(FENCE_LUA), self.keys, op.job_id, op.fence.token,
-                   op.kind, *args)
+        fence_call(pipe, self.keys, op.job_id, op.fence.token, op.kind, *args)
 
-    def send(self, r, ops: list[_Op]) -> tuple[set[str], list[_Op]]:
+    def send(self, r, ops: list[Write]) -> tuple[set[str], list[Write]]:
         """Send `ops` (fenced writes, then the acks they earned). Returns the ids of jobs whose
         lease is gone (the fence refused their writes), and the ops Redis refused (each with its
         `refusal`), in order, to send again. Raises redis errors on connection loss."""
         fenced = [op for op in ops if op.fence is not None]
         lost: set[str] = set()
-        again: list[_Op] = []
+        again: list[Write] = []
         earned = [op for op in ops if op.fence is None]
         calls = self._calls(fenced)
-        for call, x in zip(calls, self._execute(r, calls, self._queue, FENCE_LUA)):
+        for call, x in zip(calls, pipelined(r, calls, self._queue, [FENCE])):
             if x == 1:
                 earned += [op for op in call if op.kind == "final"]
             elif refused(x):  # it wrote nothing: send it again as it was
@@ -179,7 +189,7 @@ class Outbox:
             again += self._acknowledge(r, [op for op in earned if op.entry is not None])
         return lost, again
 
-    def _acknowledge(self, r, ops: list[_Op]) -> list[_Op]:
+    def _acknowledge(self, r, ops: list[Write]) -> list[Write]:
         """ACK_LUA for each op's entry, its dead letter first in the same script. On a cluster
         an entry of lane shard k > 0 is in another slot than the dead stream: its dead letter
         goes alone first, and only an entry whose dead letter landed is acknowledged. Returns
@@ -188,19 +198,19 @@ class Outbox:
                  and hash_tag(op.entry.stream) != hash_tag(self.keys.dead)]
         alone = {id(op) for op in apart}
         todo = [(op, op.dead) for op in ops if id(op) not in alone]
-        again: list[_Op] = []
+        again: list[Write] = []
         failed: list = []
         if apart:
             def dead_letter(pipe, op):
                 pipe.xadd(self.keys.dead, op.dead, maxlen=self.dead_maxlen, approximate=True)
-            for op, x in zip(apart, self._execute(r, apart, dead_letter)):
+            for op, x in zip(apart, pipelined(r, apart, dead_letter)):
                 if not isinstance(x, Exception):
                     todo.append((op, None))
                 elif refused(x):
                     again.append(self._ack_op(op, op.dead, x))
                 else:
                     failed.append(x)
-        for (op, dead), x in zip(todo, self._execute(r, todo, self._queue_ack, ACK_LUA)):
+        for (op, dead), x in zip(todo, pipelined(r, todo, self._queue_ack, [ACK])):
             if refused(x):
                 again.append(self._ack_op(op, dead, x))
             elif isinstance(x, Exception):
@@ -215,41 +225,13 @@ class Outbox:
         args = [self.keys.group, op.entry.entry_id, self.dead_maxlen]
         for k, v in (dead or {}).items():
             args += [k, v]
-        if is_cluster(pipe):  # redis-py refuses EVALSHA in cluster pipelines
-            pipe.execute_command("EVAL", ACK_LUA, len(keys), *keys, *args)
-        else:
-            pipe.evalsha(self._shas[ACK_LUA], len(keys), *keys, *args)
+        ACK.queue(pipe, keys, args)
 
     @staticmethod
-    def _ack_op(op: _Op, dead: Optional[dict], refusal: Exception) -> _Op:
+    def _ack_op(op: Write, dead: Optional[dict], refusal: Exception) -> Write:
         """The acknowledgement still owed for `op` (its fenced write, if any, landed)."""
-        return _Op("dead" if dead is not None else "ack", op.job_id, entry=op.entry, dead=dead,
-                   refusal=refusal, held=op.held)
-
-    def _execute(self, r, items: list, queue, script: Optional[str] = None) -> list:
-        """One pipeline of `queue(pipe, item)` for each item; answers in order, errors as
-        values, except a lost connection, which is raised. A script Redis forgot (a restart,
-        SCRIPT FLUSH) is loaded and those items sent again."""
-        if not items:
-            return []
-        if script is not None and script not in self._shas and not is_cluster(r):
-            self._shas[script] = r.script_load(script)
-        pipe = r.pipeline(transaction=False)
-        for item in items:
-            queue(pipe, item)
-        res = pipe.execute(raise_on_error=False)
-        retry = [i for i, x in enumerate(res) if isinstance(x, redis.exceptions.NoScriptError)]
-        if retry and script is not None:
-            self._shas[script] = r.script_load(script)
-            pipe = r.pipeline(transaction=False)
-            for i in retry:
-                queue(pipe, items[i])
-            for i, x in zip(retry, pipe.execute(raise_on_error=False)):
-                res[i] = x
-        for x in res:
-            if isinstance(x, REDIS_DOWN):
-                raise x
-        return res
+        return Write("dead" if dead is not None else "ack", op.job, fenced=False, ends=True,
+                     dead=dead, refusal=refusal, held=op.held)
 
     def flush(self, r) -> set[str]:
         """Send everything now (on failure the ops stay queued for after_failure). What Redis
@@ -260,14 +242,15 @@ class Outbox:
             raise WritesRefused(f"{len(again)} writes refused; first: {again[0].refusal}")
         return lost
 
-    def after_failure(self, live: list[InFlight]) -> None:
+    def after_failure(self, live: list[Job]) -> None:
         """The last flush may or may not have landed: make a resend idempotent for readers."""
         keep = [op for op in self.ops if op.kind != "events"]
         self.ops = []
         jobs = {j.id: j for j in live}
-        jobs.update({op.job.id: op.job for op in keep if op.job is not None})
+        # jobs that ran (the engine knew them) and ended in the lost batch: their tokens too
+        jobs.update({op.job.id: op.job for op in keep if op.kind == "final" and op.job.engine_id})
         for job in jobs.values():
-            self.restart(job.id, "worker lost its Redis connection; resending", job.fence)
+            self.restart(job, "worker lost its Redis connection; resending")
             for ev in job.replay_events():
-                self.token(job.id, ev, job.fence)
+                self.token(job, ev)
         self.ops += keep

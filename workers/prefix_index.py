@@ -37,7 +37,7 @@ class PrefixIndex:
         self.publishes = 0
         self._bad: set[bytes] = set()  # peers left out for a bad entry, already warned about
 
-    def publish(self, hashes: list[int], load: dict) -> None:
+    def publish(self, hashes: list[int], load: PeerLoad) -> None:
         """Bring the SET to `hashes` by difference (never empty in between: a reader racing a
         publish sees old or new blocks, not none), and the load summary with its time."""
         key, now = self.keys.prefix_index(self.name), time.time()
@@ -54,7 +54,7 @@ class PrefixIndex:
             pipe.srem(key, *drop)
         pipe.expire(key, self.ttl_s)
         # through the model readers parse with, so what a worker publishes always reads back
-        pipe.hset(self.keys.route_load, self.name, PeerLoad(**load, at=now).model_dump_json())
+        pipe.hset(self.keys.route_load, self.name, load.model_copy(update={"at": now}).model_dump_json())
         pipe.zadd(self.keys.route_workers, {self.name: now})
         pipe.expire(self.keys.route_load, REGISTRY_TTL_S)
         pipe.expire(self.keys.route_workers, REGISTRY_TTL_S)

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Callable
 
-from genpool.workers.intake import Entry, Parsed
+from genpool.workers.job import Entry, Job
 
 log = logging.getLogger("genpool.worker")
 INLINE_BYTES = 64 << 10
@@ -28,10 +28,10 @@ def private_tokenizer(tokenizer):
 
 
 class Preparer:
-    def __init__(self, prepare: Callable[[Entry], Parsed]):
+    def __init__(self, prepare: Callable[[Entry], Job]):
         self._prepare = prepare
         self._in: queue.Queue = queue.Queue()
-        self._out: list[Parsed] = []
+        self._out: list[Job] = []
         self._lock = threading.Lock()
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name="genpool-prepare", daemon=True)
@@ -52,7 +52,7 @@ class Preparer:
         with self._lock:
             return self._pending
 
-    def ready(self) -> list[Parsed]:
+    def ready(self) -> list[Job]:
         with self._lock:
             out, self._out = self._out, []
             self._pending -= len(out)
@@ -71,7 +71,7 @@ class Preparer:
                 parsed = self._prepare(entry)
             except Exception as exc:  # noqa: BLE001 - never lose an entry
                 log.exception("preparing entry %s failed", entry.entry_id)
-                parsed = Parsed(entry, dead_reason=f"could not be prepared: "
-                                                  f"{type(exc).__name__}: {exc}")
+                parsed = Job(entry, dead_reason=f"could not be prepared: "
+                                               f"{type(exc).__name__}: {exc}")
             with self._lock:
                 self._out.append(parsed)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import redis
 
-from genpool.workers.lease import Lease, LeaseKeeper
+from genpool.workers.lease import LeaseKeeper
 from genpool.workers.outbox import Outbox
 from genpool.workers.streams import WritesRefused
 
@@ -71,7 +71,7 @@ class Publisher:
             if op.entry is None:
                 continue
             if op.fence is not None:
-                self.keeper.grant(Lease(op.job_id, op.entry, op.fence.token))
+                self.keeper.grant(op.job)
             else:
                 self.keeper.hold(op.entry)
             op.held = True

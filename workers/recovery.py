@@ -1,18 +1,24 @@
-"""How a worker recovers: it takes over the jobs of dead peers, and rides out a lost Redis.
+"""How a worker rides out a lost Redis and writes Redis refuses, keeping every job.
 
-A mixin of Worker (workers/worker.py), kept apart so the loop reads top to bottom; it uses the
-worker's Redis client, keys, config, inflight map, publisher, outbox and counters.
+`Recovery.guarded(stage)` runs one stage of the loop (workers/worker.py). On a lost connection it
+settles the publisher, makes the outbox's resend idempotent for readers (restart + replay), and
+reconnects with backoff; on refused writes (memory pressure, too few replicas) it waits a moment;
+nothing acked is ever lost, since acks only travel with their results.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import redis
 
 from genpool.schemas.connection import REDIS_DOWN, backoff
-from genpool.workers.streams import ensure_groups, publish_shards, reclaim, refused
+from genpool.workers.jobs import JobTable
+from genpool.workers.outbox import Outbox
+from genpool.workers.publisher import Publisher
+from genpool.workers.streams import refused
 
 log = logging.getLogger("genpool.worker")
 
@@ -21,32 +27,19 @@ REFUSED_LOG_S = 10.0  # at most one warning this often while the refusals go on
 
 
 class Recovery:
-    def _init_recovery(self) -> None:
-        self.next_upkeep = 0.0
-        self.reclaim_owed = False  # a reclaim check found no free slot (see upkeep)
+    def __init__(self, r, publisher: Publisher, outbox: Outbox, jobs: JobTable, counts: dict,
+                 stop_event: threading.Event, refresh_lanes: Callable[[], None],
+                 give_up: Callable[[], bool], stopping: Callable[[], bool]):
+        self.r, self.publisher, self.outbox, self.jobs = r, publisher, outbox, jobs
+        self.counts, self._stop_event = counts, stop_event
+        # refresh_lanes: the lane shards and groups after a reconnect (a failover may have lost
+        # them); give_up: a draining worker with nothing left worth waiting for Redis
+        self._refresh_lanes, self._give_up, self._stopping = refresh_lanes, give_up, stopping
         self._refusal_said = -REFUSED_LOG_S  # when refused writes were last warned about
 
-    def upkeep(self) -> None:
-        """Take over the jobs of dead peers (idle past claim_idle_ms). A check that finds no
-        free slot stays owed and runs at the next step that frees one, before the lanes refill
-        it: those jobs have waited longest, so the backlog must not starve them."""
-        now = time.monotonic()
-        if now < self.next_upkeep and not self.reclaim_owed:
-            return
-        if now >= self.next_upkeep:
-            self.next_upkeep = now + min(self.cfg.heartbeat_s, self.cfg.claim_idle_ms / 3000)
-        free = 0 if self.stopping else self.capacity(backlog=False)  # before peers' hand-offs
-        self.reclaim_owed = free <= 0 and not self.stopping
-        if free <= 0:
-            return
-        self.publisher.wait()  # acks in flight must land first, or we would reclaim our own
-        claimed = reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free)
-        self.reclaim_owed = len(claimed) >= free  # the slots ran out first: more may wait
-        self.admit(claimed)
-
-    def _guarded(self, fn, attempts: Optional[int] = None) -> bool:
-        """Run a stage; on Redis loss, reconnect with backoff and keep every job (nothing acked
-        is lost: acks only ever travel with their results). True when the stage completed."""
+    def guarded(self, fn, attempts: Optional[int] = None) -> bool:
+        """Run a stage; on Redis loss, reconnect with backoff and keep every job. True when the
+        stage completed."""
         try:
             fn()
             return True
@@ -55,20 +48,20 @@ class Recovery:
             self.publisher.settle()  # its failed ops return to the outbox first
             # the last writes may or may not have landed: whatever is sent next (after a
             # reconnect, or by a draining worker's last flush) resends as restart + replay
-            self.outbox.after_failure(list(self.inflight.values()))
+            self.outbox.after_failure(list(self.jobs))
             self._reconnect(attempts)
         except redis.ResponseError as e:
             if refused(e):
-                self._writes_refused(e)
+                self.writes_refused(e)
             elif "NOGROUP" in str(e) or "UNBLOCKED" in str(e):
                 log.warning("lane streams or groups vanished (%s); recreating", e)
-                self._guarded(lambda: ensure_groups(self.r, self.keys))
+                self.guarded(self._refresh_lanes)
             else:  # e.g. a key of the wrong type: keep serving, but loudly and not in a hot loop
                 log.error("Redis refused a command: %s", e)
                 self._stop_event.wait(1.0)
         return False
 
-    def _writes_refused(self, e: redis.ResponseError, pause: bool = True) -> None:
+    def writes_refused(self, e: redis.ResponseError, pause: bool = True) -> None:
         """Redis is up but takes no writes (memory pressure, too few replicas, a replica): like
         a lost connection, every job and entry is kept, and what was refused (queued again in
         the outbox, or held for a new claim) is sent again after a short wait (`pause`)."""
@@ -80,7 +73,7 @@ class Recovery:
                         "(%d refusals so far)", e, REFUSED_RETRY_S, self.counts["refused"])
         if not pause:
             return
-        if self.stopping:  # the stop event is set for good now: it would not wait at all
+        if self._stopping():  # the stop event is set for good now: it would not wait at all
             time.sleep(REFUSED_RETRY_S)
         else:
             self._stop_event.wait(REFUSED_RETRY_S)
@@ -90,12 +83,11 @@ class Recovery:
         tries = 0
         while attempts is None or tries < attempts:
             tries += 1
-            if self.stopping and (not self.inflight or time.monotonic() >= self.drain_deadline):
+            if self._give_up():
                 return  # nothing left worth waiting for Redis
             try:
                 self.r.ping()
-                self.keys = publish_shards(self.r, self.keys)  # a failover may have lost it
-                ensure_groups(self.r, self.keys)
+                self._refresh_lanes()
                 self.counts["reconnects"] += 1
                 log.info("reconnected to Redis")
                 return

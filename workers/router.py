@@ -20,33 +20,49 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from typing import Optional
+from functools import partial
+from typing import Any, Callable, Optional, Protocol
 
 import redis
 
 from genpool.engine.block_manager import prompt_block_hashes
-from genpool.schemas import LANES
+from genpool.schemas import LANES, Keys
 from genpool.schemas.routing import PeerLoad
-from genpool.workers.intake import Entry, Parsed
+from genpool.schemas.scripting import pipelined
+from genpool.workers.job import Entry, Job
+from genpool.workers.lease import LeaseKeeper
 from genpool.workers.prefix_index import INDEX_CAP, PrefixIndex
 from genpool.workers.routing import HOWS, Candidate, RouteParams, route
 from genpool.workers.streams import entries_from, s
+from genpool.workers.worker_config import WorkerConfig
 
 log = logging.getLogger("genpool.worker")
 SEEN_CAP = 65536  # entry ids a worker remembers having held (so its own are never "handed")
 
+
+class RouterHost(Protocol):
+    """What the router asks of the worker it routes for, and nothing more."""
+    stopping: bool
+    max_seqs: int
+
+    @property
+    def keys(self) -> Keys: ...  # a reconnect may widen the lane shards
+
+    def capacity(self, backlog: bool = True) -> int: ...
+
+    def jobs_taken(self) -> int: ...  # jobs ended or running, since the start
+
+
 class Router:
-    """The worker's side of routing: publish, route new entries, take handed-off ones.
+    """The worker's side of routing: publish, route new entries, take handed-off ones."""
 
-    Uses the worker's engine (its block manager), Redis client, keys, config and lease keeper."""
-
-    def __init__(self, worker):
-        self.w = worker
-        cfg = worker.cfg
-        self.bm = worker.engine.block_manager  # None: an engine without a prefix cache
+    def __init__(self, host: RouterHost, engine, r, cfg: WorkerConfig, keeper: LeaseKeeper):
+        self.host, self.engine, self.r, self.keeper = host, engine, r, keeper
+        self.name, self.model = cfg.name, ",".join(sorted(cfg.served_models))
+        self.bm = engine.block_manager  # None: an engine without a prefix cache
         self.enabled = bool(cfg.prefix_routing and self.bm is not None
                             and self.bm.enable_prefix_caching)
-        self.index = PrefixIndex(worker.r, worker.keys, worker.name, cfg.prefix_index_s,
+        self.index = PrefixIndex(r, host.keys, cfg.name, cfg.prefix_index_s,
                                  min(cfg.heartbeat_s, cfg.claim_idle_ms / 3000))
         self.params = RouteParams(min_gain_tokens=cfg.route_min_gain_tokens)
         self.backlog: deque[Entry] = deque()  # handed to us, held, waiting for capacity
@@ -72,25 +88,22 @@ class Router:
         if time.monotonic() < self._next_publish:
             return
         self._next_publish = time.monotonic() + self.index.interval_s
-        st = self.w.engine.stats()  # the heartbeat thread reads this snapshot, not the engine
+        st = self.engine.stats()  # the heartbeat thread reads this snapshot, not the engine
         q = st.prefix_cache_queries
         self._hit_rate = round(st.prefix_cache_hits / q, 4) if q else None
-        if self.enabled and not self.w.stopping:
+        if self.enabled and not self.host.stopping:
             self.index.publish(self.bm.cached_hashes(INDEX_CAP), self.load())
 
     def touch(self) -> None:
         """The lease thread's heartbeat: keep our index fresh while a long step runs."""
-        if self.enabled and not self.w.stopping:
+        if self.enabled and not self.host.stopping:
             self.index.touch()
 
-    def load(self) -> dict:
-        w = self.w
-        return {"free": w.capacity(), "backlog": len(self.backlog), "slots": w.max_seqs,
-                "job_tokens": round(self._own_job_tokens(), 1),
-                "block_size": self.bm.block_size, "model": self._model()}
-
-    def _model(self) -> str:
-        return ",".join(sorted(self.w.cfg.served_models))
+    def load(self) -> PeerLoad:
+        return PeerLoad(free=self.host.capacity(), backlog=len(self.backlog),
+                        slots=max(1, self.host.max_seqs),
+                        job_tokens=round(self._own_job_tokens(), 1),
+                        block_size=self.bm.block_size, model=self.model)
 
     # -- handed-off entries (our PEL) --------------------------------------------------------
     def note(self, e: Entry) -> None:
@@ -99,21 +112,19 @@ class Router:
         if len(self._seen) > SEEN_CAP:
             self._seen.popitem(last=False)
 
-    def queue_inbox(self, pipe) -> int:
-        """Queue the PEL reads (BEFORE the lane reads of the same pipeline, so entries that
-        pipeline reads fresh are not in them). Returns how many replies to hand to inbox()."""
+    def inbox_reads(self) -> list[Callable[[Any], None]]:
+        """The PEL reads, one command each, to queue BEFORE the lane reads of the same pipeline
+        (so entries that pipeline reads fresh are not in them); their replies go to inbox()."""
         if not self.enabled:
-            return 0
-        streams = self.w.keys.all_jobs()
-        for stream in streams:
-            pipe.xpending_range(stream, self.w.keys.group, "-", "+", 512,
-                                consumername=self.w.name)
-        return len(streams)
+            return []
+        keys = self.host.keys
+        return [partial(_pending_of, stream=stream, group=keys.group, name=self.name)
+                for stream in keys.all_jobs()]
 
     def inbox(self, replies: list) -> None:
         """Hold the entries peers handed us (pending for us, never held by us)."""
-        keeper, new = self.w.keeper, []
-        for stream, pend in zip(self.w.keys.all_jobs(), replies):
+        keeper, new, keys = self.keeper, [], self.host.keys
+        for stream, pend in zip(keys.all_jobs(), replies):
             for p in pend or []:
                 eid = s(p["message_id"])
                 if (stream, eid) in self._seen:
@@ -121,11 +132,11 @@ class Router:
                 new.append((stream, eid, int(p["times_delivered"])))
         if not new:
             return
-        pipe = self.w.r.pipeline(transaction=False)
+        pipe = self.r.pipeline(transaction=False)
         for stream, eid, _ in new:
             pipe.xrange(stream, min=eid, max=eid, count=1)
         for (stream, eid, times), got in zip(new, pipe.execute()):
-            for e in entries_from([(stream, got)], self.w.keys, deliveries=max(1, times)):
+            for e in entries_from([(stream, got)], keys, deliveries=max(1, times)):
                 if keeper.holds(e):
                     continue
                 e.origin = "handed"
@@ -138,10 +149,9 @@ class Router:
     def read_inbox_now(self) -> None:
         if not self.enabled:
             return
-        pipe = self.w.r.pipeline(transaction=False)
-        n = self.queue_inbox(pipe)
-        if n:
-            self.inbox(pipe.execute())
+        reads = self.inbox_reads()
+        if reads:
+            self.inbox(pipelined(self.r, reads, _call, raise_errors=True))
 
     def take(self, n: int, high_burst: int = 0) -> list[Entry]:
         """Up to n backlog entries to admit now, interactive ones first; interactive ones also
@@ -158,7 +168,7 @@ class Router:
         return out
 
     # -- routing new entries -----------------------------------------------------------------
-    def route(self, parsed: list[Parsed]) -> list[Parsed]:
+    def route(self, parsed: list[Job]) -> list[Job]:
         """Hand off the new entries a peer should run; returns the ones to run here."""
         if not self.enabled:
             return parsed
@@ -175,8 +185,8 @@ class Router:
         except redis.RedisError as e:
             log.warning("prefix index unreadable (%s): running %d jobs here", e, len(cands))
             peers, cached, index_ok = {}, [{} for _ in cands], False
-        local_free = max(1, self.w.capacity())
-        gone: dict[str, list[Parsed]] = {}
+        local_free = max(1, self.host.capacity())
+        gone: dict[str, list[Job]] = {}
         for p, hits, hs in zip(cands, cached, hashes):
             ids = self._ids(p)
             here = len(self.bm.find_cached_blocks(ids, hs)) * bs
@@ -187,8 +197,8 @@ class Router:
 
             def per_job(cached: int) -> float:
                 return max(len(ids) - cached, bs) + gen
-            local = Candidate(self.w.name, here, local_free, len(self.backlog), per_job(here),
-                              self.w.max_seqs)
+            local = Candidate(self.name, here, local_free, len(self.backlog), per_job(here),
+                              self.host.max_seqs)
             others = [Candidate(n, hits.get(n, 0), d.free, d.backlog, per_job(hits.get(n, 0)),
                                 d.slots) for n, d in peers.items()]
             d = route(len(ids), local, others, p.entry.lane == "high", self.params, index_ok)
@@ -205,24 +215,24 @@ class Router:
         moved = self._hand_off(gone)
         return [p for p in parsed if id(p) not in moved]
 
-    def _hand_off(self, gone: dict[str, list[Parsed]]) -> set[int]:
+    def _hand_off(self, gone: dict[str, list[Job]]) -> set[int]:
         entries = [p.entry for ps in gone.values() for p in ps]
         done: list = []
 
         def claim():
-            pipe = self.w.r.pipeline(transaction=False)
+            pipe = self.r.pipeline(transaction=False)
             for peer, ps in gone.items():
                 for p in ps:
-                    pipe.xclaim(p.entry.stream, self.w.keys.group, peer, 0, [p.entry.entry_id],
-                                justid=True)
+                    pipe.xclaim(p.entry.stream, self.host.keys.group, peer, 0,
+                                [p.entry.entry_id], justid=True)
             done.extend(pipe.execute())
 
         try:
-            self.w.keeper.let_go(entries, claim)
+            self.keeper.let_go(entries, claim)
         except redis.RedisError as e:  # unknown how far it got: hold them all again and run
             log.warning("hand-off failed (%s): running %d jobs here", e, len(entries))
             for ent in entries:  # them here (fencing settles a peer that also took one)
-                self.w.keeper.hold(ent)
+                self.keeper.hold(ent)
             for ps in gone.values():
                 self.counts["routed_fallback"] += len(ps)
             return set()
@@ -237,7 +247,7 @@ class Router:
         now = time.monotonic()
         if now - self._view_at >= self.index.interval_s / 2:
             fresh, self._view_stale = self.index.peers()
-            model, bs = self._model(), self.bm.block_size
+            model, bs = self.model, self.bm.block_size
             self._view = {n: d for n, d in fresh.items() if d.model == model and d.block_size == bs}
             self._view_at = now
             for n, d in self._view.items():
@@ -252,8 +262,8 @@ class Router:
         """Prompt tokens this engine computed per job it took, recently: a moving average over
         publish intervals (half weight each), so a cold start's misses fade within seconds.
         Updated at publish time only; routing reads the last value."""
-        w, st = self.w, self.w.engine.stats()
-        jobs = w.counts["done"] + w.counts["failed"] + len(w.inflight)
+        st = self.engine.stats()
+        jobs = self.host.jobs_taken()
         computed = st.prefix_cache_queries - st.prefix_cache_hits
         last_jobs, last_computed = self._ema_mark
         if jobs > last_jobs:
@@ -263,9 +273,8 @@ class Router:
         return self._ema or 0.0
 
     @staticmethod
-    def _ids(p: Parsed) -> list[int]:
-        prompt = p.extra.get("prompt") or {}
-        return prompt.get("prompt_token_ids") or []
+    def _ids(p: Job) -> list[int]:
+        return (p.prompt or {}).get("prompt_token_ids") or []
 
     # -- leaving -----------------------------------------------------------------------------
     def leave(self) -> None:
@@ -285,12 +294,12 @@ class Router:
                 def claim():
                     if target is None:
                         return
-                    pipe = self.w.r.pipeline(transaction=False)
+                    pipe = self.r.pipeline(transaction=False)
                     for e in entries:
-                        pipe.xclaim(e.stream, self.w.keys.group, target, 0, [e.entry_id],
+                        pipe.xclaim(e.stream, self.host.keys.group, target, 0, [e.entry_id],
                                     justid=True)
                     pipe.execute()
-                self.w.keeper.let_go(entries, claim)
+                self.keeper.let_go(entries, claim)
                 log.info("gave %d handed-off jobs to %s", len(entries), target or "the reclaim")
         except redis.RedisError as e:
             log.warning("leaving the prefix index failed: %s", e)
@@ -308,3 +317,11 @@ def _charge(load: PeerLoad, n: int) -> None:
     load.free -= take
     load.backlog += n - take
 
+
+
+def _pending_of(pipe, stream: str, group: str, name: str) -> None:
+    pipe.xpending_range(stream, group, "-", "+", 512, consumername=name)
+
+
+def _call(pipe, queue) -> None:
+    queue(pipe)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from genpool.schemas import ErrorEvent, JobRequest, ResultEvent, Usage
 from genpool.workers.integrations.flower_events import CELERY_MARK, FlowerEvents, celery_hostname
+from genpool.workers.job import Claim, Entry, Job
 from genpool.workers.observe import Observers, WorkerObserver
 
 
@@ -29,15 +30,17 @@ def make(heartbeats=True, freq=2.0):
 
 
 def verdict(job_id, kind="run", **req):
+    """A claimed job, as the worker hands it to job_received."""
     r = JobRequest(id=job_id, prompt="hi", **req)
-    return SimpleNamespace(kind=kind, attempt=1, parsed=SimpleNamespace(job_id=job_id, req=r))
+    return Job(Entry("p:jobs:{p}:normal", "normal", "1-0", {}), req=r, job_id=job_id,
+               claim=Claim(kind))
 
 
 def job(job_id):
     return SimpleNamespace(id=job_id)
 
 
-WORKER = SimpleNamespace(inflight={})
+WORKER = SimpleNamespace(jobs=[])
 
 
 def test_lifecycle_of_a_stream_job():
@@ -85,7 +88,7 @@ def test_a_celery_job_the_worker_rejects_is_left_to_celery():
     (as genpool.generate): a genpool.stream report too would rename it and count it twice."""
     import json
 
-    from genpool.workers.intake import Entry, parse_entry
+    from genpool.workers.intake import parse_entry
 
     ev, rec = make()
     for job_id, meta in (("c2", {CELERY_MARK: "c2"}), ("s2", None)):
@@ -93,7 +96,8 @@ def test_a_celery_job_the_worker_rejects_is_left_to_celery():
         entry = Entry("p:jobs:{p}:normal", "normal", "1-0", {b"job": json.dumps(body).encode()})
         p = parse_entry(entry, frozenset({"fake"}))
         assert p.req is None and p.error.code == "unknown_model"
-        ev.job_received(SimpleNamespace(kind="check", attempt=1, parsed=p))
+        p.claim = Claim.CHECK
+        ev.job_received(p)
         ev.job_failed(job_id, p.error)
     assert [(t, f["uuid"]) for t, f in rec.sent] == [("task-received", "s2"), ("task-failed", "s2")]
 
@@ -119,7 +123,7 @@ def test_events_are_kept_while_redis_is_down_and_sent_in_order_after(monkeypatch
     ev.job_started(job("j1"))
     assert rec.sent == [] and len(ev._buffer) == 2
     rec.fail = False
-    ev.tick(SimpleNamespace(inflight={}))  # heartbeat due: buffered events go first
+    ev.tick(SimpleNamespace(jobs=[]))  # heartbeat due: buffered events go first
     assert [t for t, _ in rec.sent] == ["task-received", "task-started", "worker-heartbeat"]
     assert rec.sent[0][1]["timestamp"] < rec.sent[2][1]["timestamp"]
 

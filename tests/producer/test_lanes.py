@@ -92,13 +92,13 @@ def test_repair_after_a_worker_ran_the_poison_entry(redis_url):
         lane = c.keys.jobs("normal")
         with worker_thread(FakeEngine(step_delay=0.02), redis_url, prefix) as w:
             long = c.submit("p long", max_tokens=2000)  # runs all through the test (cancelled)
-            wait_for(lambda: long.id in w.inflight, what="the long job running")
+            wait_for(lambda: long.id in w.jobs.running, what="the long job running")
             poison(c)
             assert c.job("forged").result(timeout=15).ok
             wait_for(lambda: c.redis.xpending(lane, "workers")["pending"] == 1,
                      what="the forged entry acked (its ack follows its result)")
             assert c.redis.xinfo_groups(lane)[0]["last-delivered-id"] == MAX_ID
-            assert long.id in w.inflight
+            assert long.id in w.jobs.running
             fixed = cli(c, "repair")
             assert fixed.returncode == 0, fixed.stderr
             group = c.redis.xinfo_groups(lane)[0]
@@ -111,7 +111,7 @@ def test_repair_after_a_worker_ran_the_poison_entry(redis_url):
                      what="the short job acked (its ack follows its result)")
             held = c.redis.xpending_range(lane, "workers", "-", "+", 10)
             assert [h["times_delivered"] for h in held] == [1]  # not delivered again
-            assert long.id in w.inflight
+            assert long.id in w.jobs.running
             long.cancel()
             res = long.result(timeout=30)
             assert res.finish_reason == "cancelled"

@@ -81,7 +81,7 @@ def test_a_blocked_loop_does_not_lose_its_live_jobs(env):
     slow = StallOnce(stall_at=5, stall_s=2.5, max_num_seqs=8, step_delay=0.01)
     jobs = c.submit_many([dict(prompt=f"live {i}", max_tokens=40) for i in range(8)])
     with worker_thread(slow, url, prefix, claim_idle_ms=500, name="blocked") as a:
-        wait_for(lambda: len(a.inflight) == 8, what="8 jobs running")
+        wait_for(lambda: len(a.jobs.running) == 8, what="8 jobs running")
         with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=500, name="other"):
             for i, job in enumerate(jobs):
                 res = job.result(timeout=30)

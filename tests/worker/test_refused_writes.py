@@ -56,7 +56,7 @@ def test_memory_pressure_loses_no_queued_job(private):
     jobs = c.submit_many(specs)
     with worker_thread(FakeEngine(max_num_seqs=2, step_delay=0.01), url, prefix,
                        claim_idle_ms=1000, heartbeat_s=0.2) as w:
-        wait_for(lambda: len(w.inflight) == 2, what="2 jobs running")
+        wait_for(lambda: len(w.jobs.running) == 2, what="2 jobs running")
         with memory_pressure(c.redis):
             time.sleep(3.0)
         assert refusals(c.redis, "OOM") > 0, "the pressure refused nothing"
@@ -97,7 +97,7 @@ def test_refused_results_and_claims_are_held_and_retried(private):
         queued = c.submit_many([dict(prompt=f"queued {i}", max_tokens=2) for i in range(6)])
         with memory_pressure(c.redis):
             eng.gate.set()
-            wait_for(lambda: w.preparer.unclaimed, interval=0.005, what="a refused claim held")
+            wait_for(lambda: w.admission.preparer.unclaimed, interval=0.005, what="a refused claim held")
             time.sleep(3.0)
             idle = {p["message_id"]: p["time_since_delivered"] for p in c.redis.xpending_range(
                 c.keys.jobs("normal"), c.keys.group, "-", "+", 100)}

@@ -16,6 +16,7 @@ from genpool.engine.protocol import EngineStats
 from genpool.producer import Client
 from genpool.schemas import Keys, parse_event
 from genpool.schemas.connection import connect
+from genpool.schemas.routing import PeerLoad
 from genpool.workers.prefix_index import PrefixIndex
 from genpool.workers.routing import AFFINITY, FALLBACK, LOAD, Candidate, RouteParams, route
 from tests.fake_engine import FakeEngine, expected_for_prompt
@@ -145,8 +146,8 @@ def test_index_publish_and_lookup(rkeys):
     r, keys, _, _ = rkeys
     a, b = PrefixIndex(r, keys, "a", 0.5), PrefixIndex(r, keys, "b", 0.5)
     chain = prompt_block_hashes(list(range(1000, 1200)), 16)  # 12 blocks
-    a.publish(chain[:8], {"free": 2, "backlog": 0, "block_size": 16, "model": "m"})
-    b.publish(chain[:3] + [12345], {"free": 0, "backlog": 1, "block_size": 16, "model": "m"})
+    a.publish(chain[:8], PeerLoad(free=2, backlog=0, block_size=16, model="m"))
+    b.publish(chain[:3] + [12345], PeerLoad(free=0, backlog=1, block_size=16, model="m"))
     peers, stale = a.peers()
     assert list(peers) == ["b"] and stale == 0 and peers["b"].backlog == 1
     other = prompt_block_hashes([7] + list(range(1001, 1200)), 16)  # differs in token 0 only
@@ -155,7 +156,7 @@ def test_index_publish_and_lookup(rkeys):
     assert got[1] == {"a": 0, "b": 0}  # a chain's hash covers its whole prefix
     assert got[2] == {}
     # by difference: old blocks leave, new ones come, never an empty set in between
-    a.publish(chain[4:10], {"free": 1, "backlog": 0, "block_size": 16, "model": "m"})
+    a.publish(chain[4:10], PeerLoad(free=1, backlog=0, block_size=16, model="m"))
     assert r.scard(keys.prefix_index("a")) == 6
     assert b.cached_tokens(["a"], [chain], 16)[0] == {"a": 0}
     for key in (keys.prefix_index("a"), keys.route_load, keys.route_workers):
@@ -168,17 +169,17 @@ def test_index_publish_and_lookup(rkeys):
 def test_an_expired_set_is_rewritten_whole(rkeys):
     r, keys, _, _ = rkeys
     a = PrefixIndex(r, keys, "a", 0.5)
-    a.publish([1, 2, 3], {})
+    a.publish([1, 2, 3], PeerLoad())
     r.delete(keys.prefix_index("a"))  # expired while the worker was stalled
-    a.publish([1, 2, 3], {})  # nothing new by difference: it learns the set is gone...
-    a.publish([1, 2, 3], {})  # ...and rewrites it whole
+    a.publish([1, 2, 3], PeerLoad())  # nothing new by difference: it learns the set is gone...
+    a.publish([1, 2, 3], PeerLoad())  # ...and rewrites it whole
     assert r.smembers(keys.prefix_index("a")) == {b"1", b"2", b"3"}
 
 
 def test_a_stale_peer_is_left_out(rkeys):
     r, keys, _, _ = rkeys
     a, b = PrefixIndex(r, keys, "a", 0.2), PrefixIndex(r, keys, "b", 0.2)
-    b.publish([1], {"free": 1})
+    b.publish([1], PeerLoad(free=1))
     assert "b" in a.peers()[0]
     r.zadd(keys.route_workers, {"b": time.time() - 5})  # its last publish: 5 s ago
     assert a.peers() == ({}, 1)
@@ -303,7 +304,7 @@ def test_a_ghost_in_the_index_does_not_strand_jobs(env):
     eng = CachingFakeEngine(max_num_seqs=4)
     chain = prompt_block_hashes(eng.tokenizer(f"{DOC} Q: x?")["input_ids"], 16)
     ghost = PrefixIndex(r, keys, "ghost", 30.0)  # claims to be fresh for 90 s
-    ghost.publish(chain[:-2], {"free": 4, "backlog": 0, "block_size": 16, "model": "fake"})
+    ghost.publish(chain[:-2], PeerLoad(free=4, backlog=0, block_size=16, model="fake"))
     with worker_thread(eng, url, prefix, name="live", claim_idle_ms=1500, **FAST) as w:
         specs = [dict(prompt=f"{DOC} Q: {i}?", max_tokens=2) for i in range(5)]
         t0 = time.monotonic()
@@ -323,14 +324,14 @@ def test_a_stopping_worker_gives_its_backlog_to_a_peer(env):
     ea, eb = CachingFakeEngine(max_num_seqs=1, step_delay=0.05), CachingFakeEngine(max_num_seqs=4)
     with worker_thread(ea, url, prefix, name="a", drain_timeout_s=5.0, **FAST) as a:
         x = c.submit("p x", max_tokens=30)
-        wait_for(lambda: x.id in a.inflight, what="a busy (no slot left)")
+        wait_for(lambda: x.id in a.jobs.running, what="a busy (no slot left)")
         for e in ("y", "z"):  # stand-ins for jobs peers handed a while it is full
             eid = c.redis.xadd(lane, {"job": json.dumps({"id": f"j{e}", "prompt": f"p {e}",
                                                          "max_tokens": 3})})
             assert c.redis.xreadgroup("workers", "tmp", {lane: ">"}, count=1)
             c.redis.xclaim(lane, "workers", "a", 0, [eid], justid=True)
         wait_for(lambda: a.router.counts["handed_in"] == 2, what="a holds its hand-offs")
-        assert a.router.waiting == 2 and x.id in a.inflight
+        assert a.router.waiting == 2 and x.id in a.jobs.running
         with worker_thread(eb, url, prefix, name="b", **FAST) as b:
             wait_for(lambda: c.redis.zscore(c.keys.route_workers, "b"), what="b in the index")
             a.stop()  # finishes its one running job; the backlog goes to b

@@ -8,6 +8,7 @@ import time
 
 from genpool.engine.block_manager import prompt_block_hashes
 from genpool.schemas import Keys
+from genpool.schemas.routing import PeerLoad
 from genpool.workers.prefix_index import PrefixIndex
 from tests.fake_engine import expected_for_prompt
 from tests.pool_helpers import wait_for, worker_thread
@@ -28,7 +29,7 @@ def plant(r, keys: Keys, name: str, doc) -> None:
 def test_a_malformed_peer_is_skipped_and_warned_about_once(rkeys, caplog):
     r, keys, _, _ = rkeys
     a, b = PrefixIndex(r, keys, "a", 0.5), PrefixIndex(r, keys, "b", 0.5)
-    b.publish([1], {"free": 2, "backlog": 0, "slots": 2, "block_size": 16, "model": "m"})
+    b.publish([1], PeerLoad(free=2, backlog=0, slots=2, block_size=16, model="m"))
     plant(r, keys, "ghost", BAD)
     plant(r, keys, "junk", "not json {")
     plant(r, keys, "nan", dict(BAD, free=1, job_tokens=float("nan")))

@@ -52,7 +52,7 @@ def test_a_rerun_on_the_same_worker_is_not_ended_by_its_first_attempts_abort(env
         assert "restart" in [e.type for e in events(c, job.id)]
         assert c.job(job.id).info()["state"] == "done"
         # and no attempt is left running in the engine, orphaned
-        wait_for(lambda: not eng.has_unfinished_requests() and not w.inflight, 10,
+        wait_for(lambda: not eng.has_unfinished_requests() and not w.jobs.running, 10,
                  what=lambda: f"an idle engine ({eng.stats().num_requests} requests)")
 
 

@@ -174,7 +174,7 @@ def test_a_connection_lost_mid_admission_loses_no_job(env):
     url, prefix, c = env
     jobs = c.submit_many([dict(prompt=f"m{i}", max_tokens=5) for i in range(3)])
     with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=300, heartbeat_s=0.1) as w:
-        real, calls = w.admitter.verdicts, []
+        real, calls = w.admission.admitter.claim, []
 
         def flaky(parsed):
             calls.append(len(parsed))
@@ -183,7 +183,7 @@ def test_a_connection_lost_mid_admission_loses_no_job(env):
                 raise redis.ConnectionError("connection lost mid-admission (injected)")
             return real(parsed)
 
-        w.admitter.verdicts = flaky
+        w.admission.admitter.claim = flaky
         for i, job in enumerate(jobs):
             assert job.result(timeout=15).text == expected_for_prompt(f"m{i}", 5)
     assert calls[0] == 3 and w.counts["lost"] == 0 and w.counts["reconnects"] >= 1
@@ -238,7 +238,7 @@ def test_a_reply_lost_while_draining_duplicates_no_tokens(env, monkeypatch):
     monkeypatch.setattr(Outbox, "send", send)
     job = c.submit("drain me", max_tokens=5)
     with worker_thread(FakeEngine(step_delay=0.05), url, prefix) as w:
-        wait_for(lambda: job.id in w.inflight, what="running")
+        wait_for(lambda: job.id in w.jobs.running, what="running")
         w.stop(drain_timeout_s=10)
     text = "".join(e.text for e in job.stream(timeout=10))
     assert text == job.result().text == expected_for_prompt("drain me", 5)
@@ -266,7 +266,7 @@ def test_a_clobbered_job_hash_stops_neither_renewals_nor_heartbeats(env):
     good, bad = (c.submit(f"long {i}", max_tokens=400) for i in range(2))
     with worker_thread(FakeEngine(step_delay=0.02), url, prefix, claim_idle_ms=600,
                        heartbeat_s=0.1) as w:
-        wait_for(lambda: {good.id, bad.id} <= set(w.inflight), what="both running")
+        wait_for(lambda: {good.id, bad.id} <= set(w.jobs.running), what="both running")
         key = c.keys.job(bad.id)
         ttl = c.redis.pttl(key)
         c.redis.set(key, "clobbered", px=max(ttl, 60_000))
@@ -275,7 +275,7 @@ def test_a_clobbered_job_hash_stops_neither_renewals_nor_heartbeats(env):
                 else p["message_id"]: p["time_since_delivered"]
                 for p in c.redis.xpending_range(c.keys.jobs("normal"), c.keys.group, "-", "+", 10)}
         beat = json.loads(c.redis.hget(c.keys.workers, w.name))
-        assert good.id in w.inflight and w.counts["lost"] == 0
+        assert good.id in w.jobs.running and w.counts["lost"] == 0
         assert idle and max(idle.values()) < 600, idle  # still refreshed: nobody may take them
         assert time.time() - beat["beat"] < 0.6  # the heartbeat still beats
         assert good.result(timeout=30).ok
@@ -345,12 +345,12 @@ def test_sigterm_drain_finishes_in_flight(env):
     eng = FakeEngine(step_delay=0.02)
     with worker_thread(eng, url, prefix, drain_timeout_s=10) as w:
         jobs = c.submit_many([dict(prompt=f"d{i}", max_tokens=30) for i in range(3)])
-        wait_for(lambda: len(w.inflight) == 3, what="3 in flight")
+        wait_for(lambda: len(w.jobs.running) == 3, what="3 in flight")
         w.stop()
         # A poll already in flight when stop() lands may still take one entry; submit only after
         # the worker has gone through two more ticks, so the pull is known to be switched off.
         steps = w.steps
-        wait_for(lambda: w.steps >= steps + 2 or not w.inflight, what="two ticks after stop")
+        wait_for(lambda: w.steps >= steps + 2 or not w.jobs.running, what="two ticks after stop")
         queued_later = c.submit("after stop", max_tokens=3)
     assert all(j.result(timeout=1).text == expected_for_prompt(f"d{i}", 30)
                for i, j in enumerate(jobs))
@@ -376,13 +376,13 @@ def test_high_lane_overtakes_a_full_engine(env):
     eng = FakeEngine(max_num_seqs=2, step_delay=0.01)
     with worker_thread(eng, url, prefix) as w:
         bulk = c.submit_many([dict(prompt=f"b{i}", max_tokens=40, priority=5) for i in range(20)])
-        wait_for(lambda: len(w.inflight) == 2, what="engine full")
+        wait_for(lambda: len(w.jobs.running) == 2, what="engine full")
         vip = c.submit("vip", max_tokens=5, priority=-1)
         res = vip.result(timeout=10)
         # arrival mid-step k -> read before step k+1 -> first token from step k+1: 2 steps
         # (3 allowed: entry ids have millisecond resolution)
         assert res.timings.ttft_steps is not None and 1 <= res.timings.ttft_steps <= 3
-        assert len(w.inflight) <= 2 + w.cfg.high_burst
+        assert len(w.jobs.running) <= 2 + w.cfg.high_burst
         done_before = sum(c.job(j.id).info().get("state") == "done" for j in bulk)
         assert done_before <= 2
         for j in bulk:

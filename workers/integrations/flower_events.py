@@ -32,7 +32,6 @@ log = logging.getLogger("genpool.flower")
 
 STREAM_TASK_NAME = "genpool.stream"  # Celery front-door jobs are `genpool.generate`
 CELERY_MARK = "celery_task_id"  # metadata key the Celery task sets on the jobs it submits
-ANNOUNCED_KINDS = ("run", "check", "cancelled", "dead")  # duplicates/finished end elsewhere
 RETRY_AFTER_S = 5.0  # after a failed send, wait this long before reconnecting
 BUFFER_MAX = 10_000  # events kept while Redis is unreachable (oldest dropped first)
 
@@ -122,7 +121,7 @@ class FlowerEvents(WorkerObserver):
                 pass
 
     def _worker_fields(self, worker) -> dict:
-        return {"freq": self.freq, "active": len(worker.inflight), "processed": self.processed,
+        return {"freq": self.freq, "active": len(worker.jobs), "processed": self.processed,
                 "loadavg": [round(x, 2) for x in os.getloadavg()], "sw_ident": "genpool",
                 "sw_ver": "1", "sw_sys": platform.system()}
 
@@ -145,14 +144,13 @@ class FlowerEvents(WorkerObserver):
         self._drop_dispatcher()
 
     # -- job hooks ------------------------------------------------------------------------
-    def job_received(self, verdict) -> None:
-        p = verdict.parsed
-        if verdict.kind not in ANNOUNCED_KINDS or not p.job_id or parsed_from_celery(p):
+    def job_received(self, job) -> None:
+        if job.claim is None or not job.claim.writes or not job.job_id or parsed_from_celery(job):
             return
-        self.jobs[p.job_id] = time.monotonic()
-        self.send("task-received", uuid=p.job_id, name=STREAM_TASK_NAME, args="()",
-                  kwargs=job_kwargs(p.req), retries=max(0, verdict.attempt - 1), eta=None,
-                  root_id=p.job_id, parent_id=None)
+        self.jobs[job.job_id] = time.monotonic()
+        self.send("task-received", uuid=job.job_id, name=STREAM_TASK_NAME, args="()",
+                  kwargs=job_kwargs(job.req), retries=max(0, job.attempt - 1), eta=None,
+                  root_id=job.job_id, parent_id=None)
 
     def job_started(self, job) -> None:
         if job.id in self.jobs:

@@ -84,7 +84,7 @@ class MetricsObserver(WorkerObserver):
 
     def tick(self, worker) -> None:
         self.stats = dict(worker.engine.stats())
-        self.worker_info = {"inflight": len(worker.inflight), **worker.counts,
+        self.worker_info = {"inflight": len(worker.jobs), **worker.counts,
                             **worker.timing, "steps": worker.steps}
         router = getattr(worker, "router", None)
         self.routing = dict(router.counts) if router is not None else {}
