@@ -5,14 +5,13 @@ import json
 import time
 
 from genpool.schemas import Keys
-
-STALE_S = 3600  # forget a worker whose last beat is this old (it died without saying goodbye)
+from genpool.schemas.keys import WORKER_STALE_S, heartbeat_ttl_s
 
 
 class Heartbeat:
     def __init__(self, r, keys: Keys, name: str, interval_s: float):
         self.r, self.keys, self.name = r, keys, name
-        self.ttl_s = max(5, int(3 * interval_s + 1))  # survive two missed beats
+        self.ttl_s = heartbeat_ttl_s(interval_s)  # survives two missed beats
         self.started = time.time()
         self.beats = 0
 
@@ -34,7 +33,7 @@ class Heartbeat:
                 beat = float(json.loads(doc).get("beat", 0))
             except (ValueError, TypeError, AttributeError):
                 beat = 0.0
-            if now - beat > STALE_S:
+            if now - beat > WORKER_STALE_S:  # it died without saying goodbye
                 self.r.hdel(self.keys.workers, name)
 
     def leave(self) -> None:

@@ -7,14 +7,15 @@ import logging
 import redis
 
 from genpool.schemas import Keys
-from genpool.schemas.keys import check_memory_policy
+from genpool.schemas.keys import META_TTL_S, check_memory_policy
+from genpool.schemas.scripting import Script
 from genpool.schemas.scripts import SHARDS_LUA
-from genpool.workers.intake import Entry
+from genpool.workers.job import Entry
 
 log = logging.getLogger("genpool.worker")
 
 
-META_TTL_S = 30 * 86400  # refreshed by every worker start and reconnect
+SHARDS = Script(SHARDS_LUA)
 
 # Error replies of a live server that takes no writes for now: memory pressure under noeviction
 # (OOM), too few replicas (NOREPLICAS), a replica or a demoted master (READONLY), a failed save
@@ -47,7 +48,7 @@ def publish_shards(r, keys: Keys) -> Keys:
     Run at every start and reconnect, so it first checks the server's maxmemory-policy (a
     failover may bring another server): any but noeviction loses jobs (schemas/keys.py)."""
     check_memory_policy(r, log)
-    n = int(r.eval(SHARDS_LUA, 1, keys.meta, keys.lane_shards, META_TTL_S))
+    n = int(SHARDS(r, [keys.meta], [keys.lane_shards, META_TTL_S]))
     if n != keys.lane_shards:
         log.warning("lane shards: this worker was started with %d but the deployment has %d; "
                     "reading all %d", keys.lane_shards, n, n)

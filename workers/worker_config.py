@@ -6,6 +6,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Optional
 
+from genpool.schemas.keys import EVENTS_MAXLEN, JOB_TTL_S, RESULT_TTL_S
+
 
 def _opt(help: str, **extra) -> dict:
     return {"help": help, **extra}
@@ -32,9 +34,9 @@ class WorkerConfig:
     heartbeat_s: float = field(default=2.0, metadata=_opt("seconds between heartbeats"))
     max_inflight: Optional[int] = field(default=None, metadata=_opt(
         "jobs held at once (default: the engine's max_num_seqs)"))
-    events_maxlen: int = field(default=16384, metadata=_opt("approximate length cap of a job's event stream"))
-    result_ttl_s: int = field(default=86400, metadata=_opt("seconds results are kept", aliases=("--result-ttl",)))
-    job_ttl_s: int = field(default=7 * 86400, metadata=_opt("seconds a job's record is kept"))
+    events_maxlen: int = field(default=EVENTS_MAXLEN, metadata=_opt("approximate length cap of a job's event stream"))
+    result_ttl_s: int = field(default=RESULT_TTL_S, metadata=_opt("seconds results are kept", aliases=("--result-ttl",)))
+    job_ttl_s: int = field(default=JOB_TTL_S, metadata=_opt("seconds a job's record is kept"))
     lane_shards: int = field(default=1, metadata=_opt(
         "lane streams per priority, each in its own Redis Cluster hash slot, so intake spreads over "
         "nodes; workers read every shard, and the count recorded in Redis only ever grows "

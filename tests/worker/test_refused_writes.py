@@ -140,6 +140,7 @@ def test_a_refused_dead_letter_leaves_its_entry_pending(private):
     deleted) until a resend lands the dead letter and the acknowledgement together."""
     from genpool.schemas import Keys
     from genpool.schemas.connection import connect
+    from genpool.workers.job import Job
     from genpool.workers.outbox import Outbox
     from genpool.workers.streams import ensure_groups, entries_from
 
@@ -150,7 +151,7 @@ def test_a_refused_dead_letter_leaves_its_entry_pending(private):
     r.xadd(lane, {"job": "not json"})
     entry, = entries_from(r.xreadgroup(keys.group, "w", {lane: ">"}), keys)
     out = Outbox(keys, "w")
-    out.dead(entry, "junk")
+    out.dead(Job(entry), "junk")
     with memory_pressure(r):
         answer = out.send(r, out.take())
         assert (r.xpending(lane, keys.group)["pending"], r.xlen(lane), r.xlen(keys.dead)) == \
@@ -169,6 +170,7 @@ def test_dead_letters_of_every_lane_shard_on_a_cluster(cluster_url):
     letter goes first, and only then the acknowledgement. Both end dead-lettered and deleted."""
     from genpool.schemas import Keys
     from genpool.schemas.connection import connect
+    from genpool.workers.job import Job
     from genpool.workers.outbox import Outbox
     from genpool.workers.streams import ensure_groups, entries_from
 
@@ -181,7 +183,7 @@ def test_dead_letters_of_every_lane_shard_on_a_cluster(cluster_url):
             lane = keys.jobs("normal", shard)
             r.xadd(lane, {"job": f"junk {shard}"})
             entry, = entries_from(r.xreadgroup(keys.group, "w", {lane: ">"}), keys)
-            out.dead(entry, f"junk of shard {shard}")
+            out.dead(Job(entry), f"junk of shard {shard}")
         assert out.send(r, out.take()) == (set(), [])
         assert sorted(f[b"reason"] for _, f in r.xrange(keys.dead)) == [
             b"junk of shard 0", b"junk of shard 1"]
