@@ -14,9 +14,10 @@ import redis.asyncio as aredis
 from genpool.schemas import TERMINAL, JobResult, Keys
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.connection import backoff, connect_async, is_cluster, stored_shards, xread_one
-from genpool.schemas.scripts import CANCEL_FLAG_LUA, CANCEL_LUA, SUBMIT_JOB_LUA, SUBMIT_LUA, SUBMIT_UNDO_LUA
+from genpool.schemas.scripting import apipelined
+from genpool.schemas.workers import WorkerInfo
 
-from .client import PIPELINE_CHUNK, added, lane_refused
+from .client import CANCEL, CANCEL_FLAG, PIPELINE_CHUNK, SUBMIT, SUBMIT_JOB, SUBMIT_UNDO, added, lane_refused
 from .errors import JobFailed
 from .liveness import live_workers_async, serving
 from .protocol import (
@@ -78,7 +79,7 @@ class AsyncJob:
     def __repr__(self) -> str:
         return f"AsyncJob({self.id!r})"
 
-    async def serving_workers(self) -> list[dict]:
+    async def serving_workers(self) -> list[WorkerInfo]:
         return serving(await live_workers_async(self.client.redis, self.client.keys), self.model)
 
     async def events(self, timeout: Optional[float] = None, start: str = "0-0",
@@ -185,10 +186,6 @@ class AsyncClient:
         self.redis = redis_client or connect_async(self.url, decode_responses=True)
         self.cluster = is_cluster(self.redis)  # then: no script or MULTI spans two hash slots
         self.job_ttl_s = job_ttl_s
-        self._submit = self.redis.register_script(SUBMIT_LUA)
-        self._submit_job = self.redis.register_script(SUBMIT_JOB_LUA)
-        self._cancel = self.redis.register_script(CANCEL_LUA)
-        self._cancel_flag = self.redis.register_script(CANCEL_FLAG_LUA)
         self._shards_known = False
 
     async def close(self) -> None:
@@ -213,9 +210,9 @@ class AsyncClient:
         if self.cluster:
             (entry,) = await _retrying(lambda: self._enqueue_cluster([req], keys))
         else:
-            entry = await _retrying(lambda: self._submit(
-                keys=[keys.job(req.id), keys.submit_stream(req.id, req.lane)],
-                args=submit_args(req, self.job_ttl_s)))
+            entry = await _retrying(lambda: SUBMIT.acall(
+                self.redis, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
+                submit_args(req, self.job_ttl_s)))
         return AsyncJob(self, req.id, duplicate=entry is None, model=req.model)
 
     async def submit_many(self, requests: list[dict]) -> list[AsyncJob]:
@@ -231,20 +228,17 @@ class AsyncClient:
         return jobs
 
     async def _submit_chunk(self, chunk: list, keys: Keys) -> list:
-        pipe = self.redis.pipeline(transaction=False)
-        for req in chunk:
-            await self._submit(keys=[keys.job(req.id), keys.submit_stream(req.id, req.lane)],
-                               args=submit_args(req, self.job_ttl_s), client=pipe)
-        return await pipe.execute()
+        return await apipelined(self.redis, chunk, lambda pipe, req: SUBMIT.queue(
+            pipe, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
+            submit_args(req, self.job_ttl_s)), [SUBMIT], raise_errors=True)
 
     async def _enqueue_cluster(self, chunk: list, keys: Keys) -> list:
         """The sync Client's _enqueue_cluster: three one-slot steps, pipelined."""
         now = submit_args(chunk[0], self.job_ttl_s)[2]
-        pipe = self.redis.pipeline(transaction=False)
-        for req in chunk:  # EVAL, as the sync client does in cluster pipelines
-            pipe.execute_command("EVAL", self._submit_job.script, 1, keys.job(req.id), req.lane,
-                                 now, self.job_ttl_s)
-        fresh = [req for req, ok in zip(chunk, await pipe.execute()) if ok]
+        claimed = await apipelined(self.redis, chunk, lambda pipe, req: SUBMIT_JOB.queue(
+            pipe, [keys.job(req.id)], [req.lane, now, self.job_ttl_s]), [SUBMIT_JOB],
+            raise_errors=True)
+        fresh = [req for req, ok in zip(chunk, claimed) if ok]
         pipe = self.redis.pipeline(transaction=False)
         for req in fresh:
             pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
@@ -254,7 +248,7 @@ class AsyncClient:
         for job_id, entry in entries.items():
             pipe.hsetnx(keys.job(job_id), "entry", entry)
         for req, _ in refused:  # nothing may stay behind for an id whose XADD was refused
-            pipe.execute_command("EVAL", SUBMIT_UNDO_LUA, 1, keys.job(req.id), now)
+            SUBMIT_UNDO.queue(pipe, [keys.job(req.id)], [now])  # EVAL here: never NoScriptError
         if entries or refused:
             await pipe.execute()
         if refused:
@@ -267,10 +261,10 @@ class AsyncClient:
 
     async def cancel(self, job_id: str) -> None:
         if self.cluster:  # two slots: the flag first, then the broadcast (see CANCEL_FLAG_LUA)
-            await _retrying(lambda: self._cancel_flag(keys=[self.keys.job(job_id)],
-                                                      args=cancel_args(job_id, self.job_ttl_s)))
+            await _retrying(lambda: CANCEL_FLAG.acall(self.redis, [self.keys.job(job_id)],
+                                                      cancel_args(job_id, self.job_ttl_s)))
             await _retrying(lambda: self.redis.xadd(self.keys.control, cancel_broadcast(job_id),
                                                     maxlen=CONTROL_MAXLEN, approximate=True))
             return
-        await _retrying(lambda: self._cancel(keys=[self.keys.job(job_id), self.keys.control],
-                                             args=cancel_args(job_id, self.job_ttl_s)))
+        await _retrying(lambda: CANCEL.acall(self.redis, [self.keys.job(job_id), self.keys.control],
+                                             cancel_args(job_id, self.job_ttl_s)))

@@ -18,8 +18,10 @@ import redis
 from genpool.schemas.config import HELP_FMT, add_connection_args
 from genpool.schemas.keys import JOB_ID_RE
 from genpool.schemas.repair import ENTRY_UNBIND_LUA, LANE_REPAIR_LUA
+from genpool.schemas.scripting import Script
 
 AHEAD_S = 60.0  # ids further ahead of the Redis clock than this are poison (a clock step is not)
+LANE_REPAIR, ENTRY_UNBIND = Script(LANE_REPAIR_LUA), Script(ENTRY_UNBIND_LUA)
 
 
 @dataclass
@@ -60,8 +62,7 @@ def lane_states(c, ahead_s: float) -> list[LaneState]:
 
 
 def _run(c, stream: str, ahead_s: float, mode: str) -> LaneState:
-    script = c.redis.register_script(LANE_REPAIR_LUA)
-    last, after, moved, groups = script(keys=[stream], args=[int(ahead_s * 1000), mode])
+    last, after, moved, groups = LANE_REPAIR(c.redis, [stream], [int(ahead_s * 1000), mode])
     return LaneState(stream, last, after,
                      [(old, new, _job_id(job)) for old, new, job in _triples(moved)],
                      _triples(groups))
@@ -84,24 +85,23 @@ def repair_lanes(c, ahead_s: float) -> list[LaneState]:
     """Mend every poisoned lane. The job hash of each entry about to get a new id stops naming
     the old one (ENTRY_UNBIND_LUA) before the repair and again after it: the copy then owns the
     job unless a worker claims the old entry in between (and that worker runs it then)."""
-    unbind = c.redis.register_script(ENTRY_UNBIND_LUA)
     out = []
     for st in lane_states(c, ahead_s):
         if not st.poisoned:
             out.append(st)
             continue
-        _unbind(c, unbind, st.moved)
+        _unbind(c, st.moved)
         fixed = _run(c, st.stream, ahead_s, "repair")
-        _unbind(c, unbind, fixed.moved)
+        _unbind(c, fixed.moved)
         out.append(fixed)
     return out
 
 
-def _unbind(c, unbind, moved) -> None:
+def _unbind(c, moved) -> None:
     for old, _, job_id in moved:
         if job_id:
             try:
-                unbind(keys=[c.keys.job(job_id)], args=[old])
+                ENTRY_UNBIND(c.redis, [c.keys.job(job_id)], [old])
             except redis.ResponseError as e:  # not a hash (clobbered): nothing names the entry
                 print(f"job {job_id}: its job hash is unreadable ({e})", file=sys.stderr)
 

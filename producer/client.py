@@ -8,7 +8,8 @@ import redis
 
 from genpool.schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent, TrimmedEvent
 from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import REDIS_DOWN, backoff, connect, is_cluster, queue_script, stored_shards, xread_one
+from genpool.schemas.connection import REDIS_DOWN, backoff, connect, is_cluster, stored_shards, xread_one
+from genpool.schemas.scripting import Script, pipelined
 from genpool.schemas.scripts import (
     CANCEL_FLAG_LUA,
     CANCEL_LUA,
@@ -17,6 +18,7 @@ from genpool.schemas.scripts import (
     SUBMIT_LUA,
     SUBMIT_UNDO_LUA,
 )
+from genpool.schemas.workers import WorkerInfo
 
 from .errors import JobFailed
 from .liveness import live_workers, serving
@@ -37,6 +39,10 @@ from .replay import Gaps, Replay, read_events
 from .waiting import RECONNECT_S, Watch, final_result
 
 PIPELINE_CHUNK = 500
+# The producer's scripts (schemas/scripts.py), shared by the sync and asyncio clients and by
+# producer/dead.py; each loads itself where a server lacks it (schemas/scripting.py).
+SUBMIT, SUBMIT_JOB, SUBMIT_UNDO = Script(SUBMIT_LUA), Script(SUBMIT_JOB_LUA), Script(SUBMIT_UNDO_LUA)
+CANCEL, CANCEL_FLAG = Script(CANCEL_LUA), Script(CANCEL_FLAG_LUA)
 # (a cluster's MOVED after a resharding: the next try goes to the key's new node)
 _RETRY = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
           redis.exceptions.TryAgainError, redis.exceptions.MovedError)
@@ -63,7 +69,7 @@ class Job:
         return Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
                      c.reconnect_s)
 
-    def serving_workers(self) -> list[dict]:
+    def serving_workers(self) -> list[WorkerInfo]:
         """Live workers that would take this job (any model when the job names none)."""
         return serving(live_workers(self.client.redis, self.client.keys), self.model)
 
@@ -201,11 +207,6 @@ class Client:
         self.own_client = redis_client is None
         self.cluster = is_cluster(self.redis)  # then: no script or MULTI spans two hash slots
         self.job_ttl_s = job_ttl_s
-        self._submit = self.redis.register_script(SUBMIT_LUA)
-        self._submit_job = self.redis.register_script(SUBMIT_JOB_LUA)
-        self._submit_undo = self.redis.register_script(SUBMIT_UNDO_LUA)
-        self._cancel = self.redis.register_script(CANCEL_LUA)
-        self._cancel_flag = self.redis.register_script(CANCEL_FLAG_LUA)
         self._shards_known = False
         self._raw = None
 
@@ -235,9 +236,9 @@ class Client:
         if self.cluster:
             (entry,) = _retrying(lambda: self._enqueue_cluster([req]))
         else:
-            entry = _retrying(lambda: self._submit(
-                keys=[keys.job(req.id), keys.submit_stream(req.id, req.lane)],
-                args=submit_args(req, self.job_ttl_s)))
+            entry = _retrying(lambda: SUBMIT(
+                self.redis, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
+                submit_args(req, self.job_ttl_s)))
         return Job(self, req.id, duplicate=entry is None, model=req.model)
 
     def submit_many(self, requests: list[dict]) -> list[Job]:
@@ -263,21 +264,19 @@ class Client:
     def _submit_chunk(self, chunk: list) -> list:
         # Retrying is safe: the script skips ids that already exist (a chunk that half-landed
         # before a connection loss reports those as duplicates, and runs each job once).
-        pipe = self.redis.pipeline(transaction=False)
-        for req in chunk:
-            self._submit(keys=[self.keys.job(req.id), self.keys.submit_stream(req.id, req.lane)],
-                         args=submit_args(req, self.job_ttl_s), client=pipe)
-        return pipe.execute()
+        keys = self.keys
+        return pipelined(self.redis, chunk, lambda pipe, req: SUBMIT.queue(
+            pipe, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
+            submit_args(req, self.job_ttl_s)), [SUBMIT], raise_errors=True)
 
     def _enqueue_cluster(self, chunk: list) -> list:
         """SUBMIT_JOB_LUA, XADD, HSETNX entry: three pipelined round trips, each command within
         one hash slot (producer/protocol.py says why this order is safe to retry)."""
         now, keys = submit_args(chunk[0], self.job_ttl_s)[2], self.keys
-        pipe = self.redis.pipeline(transaction=False)
-        for req in chunk:
-            queue_script(pipe, self._submit_job, [keys.job(req.id)],
-                         [req.lane, now, self.job_ttl_s])
-        fresh = [req for req, ok in zip(chunk, pipe.execute()) if ok]
+        claimed = pipelined(self.redis, chunk, lambda pipe, req: SUBMIT_JOB.queue(
+            pipe, [keys.job(req.id)], [req.lane, now, self.job_ttl_s]), [SUBMIT_JOB],
+            raise_errors=True)
+        fresh = [req for req, ok in zip(chunk, claimed) if ok]
         pipe = self.redis.pipeline(transaction=False)
         for req in fresh:
             pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
@@ -286,7 +285,7 @@ class Client:
         for job_id, entry in entries.items():
             pipe.hsetnx(keys.job(job_id), "entry", entry)
         for req, _ in refused:  # nothing may stay behind for an id whose XADD was refused
-            queue_script(pipe, self._submit_undo, [keys.job(req.id)], [now])
+            SUBMIT_UNDO.queue(pipe, [keys.job(req.id)], [now])  # EVAL here: never NoScriptError
         if entries or refused:
             pipe.execute()
         if refused:
@@ -300,13 +299,13 @@ class Client:
     def cancel(self, job_id: str) -> None:
         # The flag stops a job no worker has started; the control entry reaches the one running it.
         if self.cluster:  # two slots: the flag first, then the broadcast (see CANCEL_FLAG_LUA)
-            _retrying(lambda: self._cancel_flag(keys=[self.keys.job(job_id)],
-                                                args=cancel_args(job_id, self.job_ttl_s)))
+            _retrying(lambda: CANCEL_FLAG(self.redis, [self.keys.job(job_id)],
+                                          cancel_args(job_id, self.job_ttl_s)))
             _retrying(lambda: self.redis.xadd(self.keys.control, cancel_broadcast(job_id),
                                               maxlen=CONTROL_MAXLEN, approximate=True))
             return
-        _retrying(lambda: self._cancel(keys=[self.keys.job(job_id), self.keys.control],
-                                       args=cancel_args(job_id, self.job_ttl_s)))
+        _retrying(lambda: CANCEL(self.redis, [self.keys.job(job_id), self.keys.control],
+                                 cancel_args(job_id, self.job_ttl_s)))
 
     def status(self) -> dict:
         from .status import queue_status

@@ -7,10 +7,13 @@ import redis
 from pydantic import ValidationError
 
 from genpool.schemas import JobRequest, describe_validation_error
+from genpool.schemas.scripting import Script
 from genpool.schemas.scripts import RETRY_RESET_LUA
 
-from .client import _retrying
+from .client import SUBMIT, _retrying
 from .protocol import submit_args
+
+RETRY_RESET = Script(RETRY_RESET_LUA)
 
 
 def dead_entries(c, count: int = 20, ids: Optional[list[str]] = None) -> list[dict]:
@@ -69,9 +72,8 @@ def _retry(c, entry: str, req: JobRequest) -> str:
        nothing, and the dead letter stays;
     3. XDEL of the dead letter in the `{prefix}` slot."""
     k = c.keys
-    reset = c.redis.register_script(RETRY_RESET_LUA)
-    go = _retrying(lambda: reset(keys=[k.job(req.id), k.events(req.id)],
-                                 args=[entry, c.job_ttl_s]))
+    go = _retrying(lambda: RETRY_RESET(c.redis, [k.job(req.id), k.events(req.id)],
+                                       [entry, c.job_ttl_s]))
     if isinstance(go, (str, bytes)):
         state = go.decode() if isinstance(go, bytes) else go
         return f"job {req.id} is {state}: a retry never replaces a job that is not dead"
@@ -94,8 +96,8 @@ def _submit(c, req: JobRequest):
     if c.cluster:
         return c._enqueue_cluster([req])[0]
     k = c.keys
-    return c._submit(keys=[k.job(req.id), k.submit_stream(req.id, req.lane)],
-                     args=submit_args(req, c.job_ttl_s))
+    return SUBMIT(c.redis, [k.job(req.id), k.submit_stream(req.id, req.lane)],
+                  submit_args(req, c.job_ttl_s))
 
 
 def purge_dead(c, ids: Optional[list[str]]) -> int:

@@ -141,10 +141,10 @@ class Gateway:
             names = {n for n in served_names(w) if scrub_paths(n) == n}  # never a filesystem path
             if not names:
                 continue
-            primary = str(w.get("model_name") or "")
+            primary = w.model_name
             primary = primary if primary in names else min(names)
             m = by_id.setdefault(primary, {"id": primary, "object": "model",
-                                           "created": int(w.get("started") or 0),
+                                           "created": int(w.started),
                                            "owned_by": "genpool", "aliases": set()})
             m["aliases"] |= names - {primary}
         return [{**m, "aliases": sorted(m["aliases"] - by_id.keys())}

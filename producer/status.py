@@ -2,7 +2,6 @@
 heartbeats, dead letters."""
 from __future__ import annotations
 
-import json
 import time
 
 import redis
@@ -11,6 +10,7 @@ from genpool.schemas import Keys
 from genpool.schemas.connection import lane_depths, queue_lane_depths
 
 from .listing import cancelled_unread
+from .liveness import read_infos
 
 
 def _lane_status(r: redis.Redis, keys: Keys) -> tuple[dict, dict]:
@@ -24,35 +24,33 @@ def _lane_status(r: redis.Redis, keys: Keys) -> tuple[dict, dict]:
              for lane, (queued, pending) in depths.items()}, cancelled)
 
 
-def _worker_status(r: redis.Redis, keys: Keys) -> list[dict]:
-    infos = {_s(k): v for k, v in r.hgetall(keys.workers).items()}
-    names = sorted(infos)
+def _worker_status(r: redis.Redis, keys: Keys) -> tuple[list[dict], list[dict]]:
+    """(every known worker whose document parses, with `alive` and `beat_age_s`; the others,
+    each {"name", "why"}): a junk entry in the workers hash is shown, never fatal."""
+    good, bad = read_infos(r.hgetall(keys.workers))
+    names = sorted(good)
     pipe = r.pipeline(transaction=False)
     for name in names:
         pipe.exists(keys.worker(name))
     alive = pipe.execute() if names else []
     now = time.time()
-    workers = []
-    for name, is_alive in zip(names, alive):
-        try:
-            info = json.loads(infos[name])
-        except ValueError:
-            info = {}
-        beat = info.get("beat")
-        workers.append({"name": _s(name), "alive": bool(is_alive), **info,
-                        "beat_age_s": round(now - beat, 1) if beat else None})
-    return workers
+    workers = [{**good[name].model_dump(), "alive": bool(up),
+                "beat_age_s": round(now - good[name].beat, 1) if good[name].beat else None}
+               for name, up in zip(names, alive)]
+    return workers, [{"name": name, "why": why} for name, why in sorted(bad.items())]
 
 
 def queue_status(r: redis.Redis, keys: Keys, dead_tail: int = 5) -> dict:
     """`r` should not decode responses: dead letters may hold any bytes a client XADDed."""
     dead = r.xrevrange(keys.dead, count=dead_tail)
     lanes, cancelled = _lane_status(r, keys)
+    workers, unreadable = _worker_status(r, keys)
     return {
         "prefix": keys.prefix,
         "lanes": lanes,
         "cancelled": cancelled,  # per lane: cancelled while queued, not yet dropped by a worker
-        "workers": _worker_status(r, keys),
+        "workers": workers,
+        "unreadable_workers": unreadable,  # workers hash entries that do not parse (WorkerInfo)
         "dead": {"count": r.xlen(keys.dead),
                  "recent": [{"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}}
                             for i, f in dead]},
@@ -75,6 +73,8 @@ def format_status(st: dict) -> str:
         lines.append(f"  {w['name']:<24} {state} model={w.get('model', '?')} "
                      f"running={w.get('running', '?')} beat={w.get('beat_age_s')}s ago"
                      + _routing_line(w))
+    for w in st.get("unreadable_workers", []):
+        lines.append(f"  {w['name']:<24} unreadable heartbeat document, ignored: {w['why']}")
     lines.append(f"dead letters: {st['dead']['count']}")
     for d in st["dead"]["recent"]:
         lines.append(f"  {d['entry']} job={d.get('job_id', '?')} reason={d.get('reason', '?')}")
@@ -83,7 +83,7 @@ def format_status(st: dict) -> str:
 
 def _routing_line(w: dict) -> str:
     """Prefix hit rate and how prefix routing placed this worker's new jobs (issue 21)."""
-    if "routed_affinity" not in w:
+    if w.get("routed_affinity") is None:  # it published no router status
         return ""
     rate = w.get("prefix_hit_rate")
     hit = f"{100 * rate:.0f}%" if isinstance(rate, (int, float)) else "-"

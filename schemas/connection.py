@@ -215,16 +215,6 @@ def is_cluster(r) -> bool:
     return isinstance(r, (RedisCluster, ClusterPipeline, AsyncCluster, AsyncClusterPipeline))
 
 
-def queue_script(pipe, script, keys: list, args: list) -> None:
-    """Queue a registered Script on a sync pipeline. redis-py refuses EVALSHA (and its eval()
-    method) in cluster pipelines, so there the script's body travels with a plain EVAL command
-    (Redis still caches the compiled script by its SHA; the cost is the body's bytes)."""
-    if is_cluster(pipe):
-        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
-    else:
-        script(keys=keys, args=args, client=pipe)
-
-
 def xread_one(r, key: str, last: str, count: int, block: int):
     """XREAD BLOCK of one stream (sync or asyncio client; await the result of the latter). In a
     cluster it goes straight to the key's node: XREAD's keys are 'movable', so redis-py would

@@ -18,6 +18,7 @@ import pytest
 
 from genpool.producer import Client
 from genpool.producer.batch import run_batch
+from genpool.producer.client import SUBMIT
 from genpool.producer.protocol import submit_args
 from genpool.schemas import JobRequest
 from genpool.schemas.request import new_job_id
@@ -103,7 +104,7 @@ def raw_submit(c: Client, **fields) -> str:
     req = JobRequest(id=data["id"], prompt="Hello")  # for the keys and lane only
     args = submit_args(req)
     args[0] = json.dumps(data)  # written by hand: pydantic will not serialize 300 levels deep
-    c._submit(keys=[c.keys.job(req.id), c.keys.jobs(req.lane)], args=args)
+    SUBMIT(c.redis, [c.keys.job(req.id), c.keys.jobs(req.lane)], args)
     return req.id
 
 
