@@ -53,7 +53,7 @@ class EngineConfig:
         "natively (Q8_0/Q4_0/Q4_1); awq: an AWQ checkpoint (detected from config.json) (default: "
         "none: the checkpoint's weights as they are, in --dtype; an AWQ checkpoint is still detected)",
         choices=QUANTIZATIONS))
-    seed: int = field(default=0, metadata=_opt("seed of the sampler's shared generator"))
+    seed: int = field(default=0, metadata=_opt("seed of the stream unseeded sampled requests draw their seeds from"))
     tensor_parallel_size: int = field(default=1, metadata=_opt(
         "split the model over this many ranks (Megatron-style; CPU: processes on gloo, CUDA: one "
         "GPU each on NCCL); num_threads is shared out among them"))

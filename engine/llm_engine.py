@@ -70,6 +70,7 @@ class LLMEngine:
         # RequestOutput.seed, so a resume can reuse it); config.seed keeps a run reproducible
         self._seed_source = random.Random(config.seed)
         self._identity: ModelIdentity | None = None
+        self._resumed: list[Request] = []  # resumed with finished completions: reported next step
         self.structured = StructuredOutputs(self.tokenizer, self.runner.args.vocab_size,
                                             self.eos_token_ids[0], config.grammar_compile_timeout_s)
         self.scheduler.is_ready = self.structured.is_ready  # constrained jobs wait for their grammar
@@ -153,16 +154,20 @@ class LLMEngine:
                 self.structured.track(seq)  # compiles in the background; seq waits until ready
         self._counters["prompt_tokens_total"] += len(ids)  # once, resumed or not
         if any(s.is_finished for s in req.seqs):
-            self._report_resumed_finished(req)
+            self._resumed.append(req)
 
-    def _report_resumed_finished(self, req: Request) -> None:
-        """Completions the resume found finished are reported by the next step (with no new
-        tokens); a request with all of them finished ends there."""
-        self._aborted.append(req.delta_output(resume_mod.finished_deltas(req.seqs)))
-        if req.finished:
-            req.metrics.finished_time = time.monotonic()
-            del self.requests[req.request_id]
-            self._counters["requests_finished"] += 1
+    def _take_resumed(self) -> list[RequestOutput]:
+        """Completions a resume found finished are reported by the next step (no new tokens); a
+        request with all of them finished ends there (it counts as unfinished until then)."""
+        outs, pending, self._resumed = [], self._resumed, []
+        for req in pending:
+            if self.requests.get(req.request_id) is not req:  # aborted or failed meanwhile
+                continue
+            outs.append(req.delta_output(resume_mod.finished_deltas(req.seqs)))
+            if req.finished and self.requests.pop(req.request_id, None) is req:
+                req.metrics.finished_time = time.monotonic()
+                self._counters["requests_finished"] += 1
+        return outs
 
     def _new_seq(self, req: Request, index: int, parent: Sequence | None = None) -> Sequence:
         if parent is None:
@@ -209,6 +214,7 @@ class LLMEngine:
         for rid, message in self.structured.poll():  # grammars compiled (or refused) since the last step
             self._fail(rid, RequestError("invalid_request", message))
         outputs, self._aborted = self._aborted, []
+        outputs += self._take_resumed()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._release_heap()

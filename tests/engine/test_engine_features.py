@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from genpool.engine import LLM, SamplingParams
+from genpool.engine.resume import ResumeState
 from tests.hf_ref import hf_greedy
 
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate([1, 7, 16, 23, 40, 64, 90, 150])]
@@ -45,12 +46,16 @@ def test_n_samples_share_prompt_blocks_with_copy_on_write(tiny):
         eng.step()
     full = eng.requests.get("fork")
     assert full is None and eng.stats()["kv_blocks_used"] == 0
-    # Sample i of n=3 equals an n=1 request seeded like it: the shared K/V was never corrupted.
+    # Each forked sample equals the same completion run as its own sequence (a resume from no
+    # tokens: no fork, no shared blocks), keyed alike: the shared K/V was never corrupted.
     outs = tiny.generate(prompt, sp)[0].outputs
-    for i, o in enumerate(outs):
-        alone = tiny.generate(prompt, SamplingParams(temperature=1.0, seed=42 + 7919 * i,
-                                                     max_tokens=10, ignore_eos=True))[0]
-        assert o.token_ids == alone.outputs[0].token_ids
+    eng.add_request("apart", prompt, sp, resume=ResumeState([[], [], []]))
+    apart = eng.requests["apart"]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in apart.full_output().outputs]
+    alone = tiny.generate(prompt, sp.clone(n=1))[0]  # sample 0 is the n=1 request's
+    assert outs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_priority_overtakes_and_preempts(tiny_llama_path):
