@@ -8,12 +8,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from genpool.schemas import settings
+
 # names -> torch dtype attribute; torch is imported only where a dtype object is needed, so the CLI
 # can build its options from this module cheaply
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
-KERNEL_BACKENDS = ("auto", "cpu", "torch", "triton")
+KERNEL_BACKENDS = settings.KERNEL_BACKENDS  # "auto", "cpu", "torch", "triton"
+QUANT_COMPUTE = settings.QUANT_COMPUTE  # "auto", "vnni", "bf16", "fp32"
+# Fields with a row in schemas/settings.py default to None, "not given": __post_init__ fills them
+# from their environment variable, else the row's default (explicit > env > default), and
+# records where each came from in `setting_sources` (the worker's start line prints it).
+KERNEL_FIELDS = ("kernel_backend", "cpu_gemm", "quant_compute", "huge_pages", "malloc_tune")
 
 QUANTIZATIONS = ("int8", "gguf", "awq")  # engine/models/quant.py loads each
 
@@ -43,9 +50,20 @@ class EngineConfig:
         "fraction of GPU memory for weights + KV on CUDA when --num-kv-blocks is not given"))
     max_model_len: int | None = field(default=None, metadata=_opt(
         "tokens per sequence at most (default: the model's max_position_embeddings)"))
-    kernel_backend: str = field(default="auto", metadata=_opt(
+    kernel_backend: str | None = field(default=None, metadata=_opt(
         "auto: triton on CUDA, cpu (C kernels) on the CPU when a C compiler is present, else torch",
         choices=KERNEL_BACKENDS))
+    cpu_gemm: bool | None = field(default=None, metadata=_opt(
+        "fp32 linear layers and prefill attention on genpool's C tile kernels (--no-cpu-gemm: "
+        "torch's GEMM and SDPA)"))
+    quant_compute: str | None = field(default=None, metadata=_opt(
+        "how quantized products compute on the CPU: auto (vnni where the CPU has it, else bf16 on "
+        "bf16 hardware, else fp32) or one of those (a mode the CPU lacks falls back down the list)",
+        choices=QUANT_COMPUTE))
+    huge_pages: bool | None = field(default=None, metadata=_opt(
+        "packed CPU weights in huge-page memory (MADV_HUGEPAGE)"))
+    malloc_tune: bool | None = field(default=None, metadata=_opt(
+        "raise glibc's mmap threshold and stop heap trimming on the CPU, so activation buffers are reused"))
     num_threads: int | None = field(default=None, metadata=_opt(
         "torch intra-op threads on the CPU (default: none: torch's own choice, every core)"))
     quantization: str | None = field(default=None, metadata=_opt(
@@ -59,14 +77,21 @@ class EngineConfig:
         "GPU each on NCCL); num_threads is shared out among them"))
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_opt(
         "seconds a structured-output grammar may take to compile before its job fails"))
+    # {field: "explicit" | "env GENPOOL_X" | "default"} for KERNEL_FIELDS; filled by __post_init__
+    # (given only by dataclasses.replace / asdict round trips, which keep the sources)
+    setting_sources: dict = field(default_factory=dict, compare=False, repr=False,
+                                  metadata={"cli": False})
 
     def __post_init__(self):
+        self.setting_sources = settings.resolve_fields(self, "EngineConfig", self.setting_sources)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not DEVICE_RE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        if self.quant_compute not in QUANT_COMPUTE:
+            raise ValueError(f"quant_compute must be one of {QUANT_COMPUTE}, got {self.quant_compute!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -97,6 +122,18 @@ class EngineConfig:
 
         return getattr(torch, DTYPES[self.dtype])
 
+    def settings_report(self) -> str:
+        """Each environment-backed setting, its value and where it came from, for a start line:
+        `kernel_backend=auto (default), cpu_gemm=False (env GENPOOL_CPU_GEMM), ...`."""
+        return settings.report(self, self.setting_sources, KERNEL_FIELDS)
+
+    def kernel_settings(self):
+        """The kernels' process-wide settings this config asks for (kernels/settings.py)."""
+        from genpool.kernels.settings import KernelSettings
+
+        return KernelSettings(cpu_gemm=self.cpu_gemm, quant_compute=self.quant_compute,
+                              huge_pages=self.huge_pages)
+
     def resolved_device(self) -> str:
         """The device the engine runs on: "auto" becomes "cuda" when torch sees a GPU, else "cpu"."""
         if self.device != "auto":
@@ -104,3 +141,11 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def apply_kernel_settings(config: EngineConfig) -> None:
+    """At engine start, once: the kernels read `config`'s settings from now on (kernel functions
+    have no config at hand; kernels/settings.py). malloc_tune goes to tune_malloc() itself."""
+    from genpool.kernels.settings import set_kernel_settings
+
+    set_kernel_settings(config.kernel_settings())

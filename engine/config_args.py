@@ -2,8 +2,10 @@
 
 A field `max_num_seqs: int = 64` with `metadata={"help": ...}` becomes `--max-num-seqs N` (type, default
 and help from the field). Metadata may add `choices`, `aliases` (more option strings) and, for
-booleans, `off_aliases` (option strings that set it False; `--no-<name>` always does). Options are
-never listed by hand, so a field cannot be forgotten by a CLI.
+booleans, `off_aliases` (option strings that set it False; `--no-<name>` always does); `cli: False`
+keeps a field off the command line. A field with a row in schemas/settings.py (an environment
+variable) defaults to None, "not given", and its help names the variable and the row's default.
+Options are never listed by hand, so a field cannot be forgotten by a CLI.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import argparse
 import dataclasses
 import types
 import typing
+
+from genpool.schemas.settings import help_default, row_for
 
 
 def flag(name: str) -> str:
@@ -30,6 +34,8 @@ def add_dataclass_args(group, cls) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         meta = f.metadata
+        if not meta.get("cli", True):
+            continue
         kind = _scalar_type(hints[f.name])
         opts = (flag(f.name), *meta.get("aliases", ()))
         kw: dict = {"dest": f.name, "help": meta.get("help")}
@@ -39,6 +45,9 @@ def add_dataclass_args(group, cls) -> None:
             # default must: its help tells what none means, e.g. "(default: none: every core)")
             if f.default not in (None, frozenset(), "") and kw["help"] and "default" not in kw["help"]:
                 kw["help"] += " (default: %(default)s)"
+            row = row_for(cls.__name__, f.name)
+            if row is not None and kw["help"]:
+                kw["help"] += f" ({help_default(row)})"
         elif f.default_factory is not dataclasses.MISSING:
             kw["default"] = None  # the dataclass makes it (e.g. a per-process name)
         else:
@@ -64,7 +73,7 @@ def dataclass_kwargs(ns: argparse.Namespace, cls, skip: tuple[str, ...] = ()) ->
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        if f.name in skip or not hasattr(ns, f.name):
+        if f.name in skip or not hasattr(ns, f.name) or not f.metadata.get("cli", True):
             continue
         value = getattr(ns, f.name)
         if value is None and f.default_factory is not dataclasses.MISSING:

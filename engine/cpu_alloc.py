@@ -4,7 +4,8 @@ glibc serves allocations above its mmap threshold with a fresh mmap and unmaps t
 so each [tokens, hidden] activation of a CPU forward pass page-faults its way in again (on the
 2-core VM here a 2048-token prefill step spent ~15% of its time in page faults). Raising the
 threshold to its 32 MiB maximum and never trimming the heap lets freed activation buffers be
-reused. Process-wide, so the engine calls it once, on CPU only; GENPOOL_MALLOC_TUNE=0 skips it.
+reused. Process-wide, so the engine calls it once, on CPU only; EngineConfig.malloc_tune=False
+(GENPOOL_MALLOC_TUNE=0) skips it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import functools
 import logging
 import math
 import mmap
-import os
+
+from genpool.schemas.settings import value
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +35,11 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def tune_malloc() -> bool:
-    """Returns True when glibc accepted both settings (False elsewhere, e.g. musl or macOS)."""
+def tune_malloc(enabled: bool | None = None) -> bool:
+    """Returns True when glibc accepted both settings (False elsewhere, e.g. musl or macOS).
+    `enabled`: the engine's config.malloc_tune; None: the settings table's (env, else on)."""
     global _done
-    if _done or os.environ.get("GENPOOL_MALLOC_TUNE", "1") == "0":
+    if _done or not value("GENPOOL_MALLOC_TUNE", enabled):
         return _done
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None)

@@ -3,11 +3,9 @@ and Triton kernels for CUDA.
 
 `get_backend(name)` picks the implementation: "torch" (the reference), "cpu" (the reference plus
 C kernels; CPU default when a C compiler is present, else "torch"), "triton" (CUDA default) or
-"auto". The env var GENPOOL_KERNEL_BACKEND overrides "auto".
+"auto". GENPOOL_KERNEL_BACKEND lands in EngineConfig.kernel_backend (schemas/settings.py), not here.
 """
 from __future__ import annotations
-
-import os
 
 from genpool.kernels.backend import DecodeStack, KernelBackend, TorchBackend
 
@@ -33,7 +31,7 @@ def get_backend(name: str = "auto", device: str = "cpu") -> KernelBackend:
     """The kernels of docs/design.md's contract (kernels/backend.py's KernelBackend) for `name`."""
     auto = name == "auto"
     if auto:
-        name = os.environ.get("GENPOOL_KERNEL_BACKEND") or ("triton" if device.startswith("cuda") else "cpu")
+        name = "triton" if device.startswith("cuda") else "cpu"
     if name == "torch":
         return TorchBackend()
     if name == "cpu":

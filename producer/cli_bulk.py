@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from genpool.schemas.config import HELP_FMT, add_connection_args
 from genpool.schemas.request import CALLER_PRIORITY_CEILING
+from genpool.schemas.settings import value
 
 
 def register_batch(sub) -> None:
@@ -120,7 +120,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     from .gateway import create_app
     from .gateway_http import server_config
 
-    keys = a.api_key or [k for k in os.environ.get("GENPOOL_API_KEYS", "").split(",") if k]
+    keys = list(value("GENPOOL_API_KEYS", a.api_key or None))  # --api-key > $GENPOOL_API_KEYS
     try:
         app = create_app(a.redis, a.prefix, api_keys=keys, max_queue_depth=a.max_queue_depth,
                          priority=a.priority, default_model=a.model,

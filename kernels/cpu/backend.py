@@ -25,7 +25,6 @@
 """
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import torch
@@ -43,6 +42,7 @@ from genpool.kernels.cpu import rotary as cpu_rotary
 from genpool.kernels.cpu import silu_mul as cpu_silu_mul
 from genpool.kernels.cpu import write_kv as cpu_write_kv
 from genpool.kernels.qtensor import QTensor
+from genpool.kernels.settings import kernel_settings
 
 
 def _rms_norm(x, weight, eps, residual=None):
@@ -54,11 +54,11 @@ def _rms_norm(x, weight, eps, residual=None):
 def use_tile_kernels() -> bool:
     """Whether fp32 linear layers and prefill attention take our register-tile kernels.
 
-    Yes by default (AVX2 and AVX-512 builds alike); GENPOOL_CPU_GEMM=0 keeps torch's MKL GEMM and
-    flash SDPA (any other value: ours; bf16 weights on bf16 hardware stay on torch either way). On a 2-core AVX-512 Xeon, against MKL: decode-sized products
+    Yes by default (AVX2 and AVX-512 builds alike); cpu_gemm off (GENPOOL_CPU_GEMM=0) keeps torch's MKL GEMM and
+    flash SDPA (on: ours; bf16 weights on bf16 hardware stay on torch either way). On a 2-core AVX-512 Xeon, against MKL: decode-sized products
     (1-48 rows) 0.8-1.6x, prompt-sized (2048 rows) 0.85-0.88x; the engine's benchmark run was faster
     with ours (docs/kernels.md)."""
-    return os.environ.get("GENPOOL_CPU_GEMM", "").strip() != "0"
+    return kernel_settings().cpu_gemm  # EngineConfig.cpu_gemm (GENPOOL_CPU_GEMM): kernels/settings.py
 
 
 def bf16_matmul_hardware() -> bool:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import threading
 
 import torch
+
+from genpool.kernels.settings import kernel_settings
 
 HUGE_PAGE = 2 << 20
 ARENA_BYTES = 64 << 20
@@ -29,7 +30,7 @@ _arena: dict = {"buf": None, "used": 0, "size": 0}
 def huge_pages_available() -> bool:
     """Whether weight_empty maps huge-page memory: Linux's MADV_HUGEPAGE, not turned off."""
     return (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
-            and os.environ.get("GENPOOL_HUGE_PAGES", "1").strip() != "0")
+            and kernel_settings().huge_pages)  # EngineConfig.huge_pages (GENPOOL_HUGE_PAGES)
 
 
 def _map(nbytes: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ bit-exact). Reference: `x @ qtensor.dequantize().t()` (kernels/ref.py pack_linea
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 
 import torch
@@ -24,6 +23,7 @@ from genpool.kernels.cpu import build as cpu_build
 from genpool.kernels.cpu import memory as cpu_memory
 from genpool.kernels.cpu.gemm import _check_x  # the same check: x is [M, w.k] fp32 on the CPU
 from genpool.kernels.qtensor import QTensor
+from genpool.kernels.settings import kernel_settings
 
 
 class QWeightStruct(ctypes.Structure):
@@ -83,19 +83,26 @@ def _bf16_hardware() -> bool:
     return (cpu_build.cpu_has("amx_bf16") or cpu_build.cpu_has("avx512_bf16")) and _widen_bf16_kernel() is not None
 
 
-@cache
 def compute_mode() -> str:
-    """How quantized products compute here (GENPOOL_QUANT_COMPUTE, default auto): "vnni" int8 dot
-    products where the CPU has them; else "bf16" (widening kernel, prompt-sized products in bf16 on
-    bf16 hardware); else "fp32". A mode the CPU lacks falls back down that list."""
-    want = os.environ.get("GENPOOL_QUANT_COMPUTE", "auto").strip().lower() or "auto"
+    """How quantized products compute here (kernel_settings().quant_compute: EngineConfig.quant_compute
+    or GENPOOL_QUANT_COMPUTE, default auto): "vnni" int8 dot products where the CPU has them; else
+    "bf16" (widening kernel, prompt-sized products in bf16 on bf16 hardware); else "fp32". A mode
+    the CPU lacks falls back down that list."""
+    return _compute_mode(kernel_settings().quant_compute)
+
+
+@cache
+def _compute_mode(want: str) -> str:
     if want not in COMPUTE_MODES:
-        raise ValueError(f"GENPOOL_QUANT_COMPUTE={want!r}: choose one of {', '.join(COMPUTE_MODES)}")
+        raise ValueError(f"quant_compute={want!r}: choose one of {', '.join(COMPUTE_MODES)}")
     if want in ("auto", "vnni") and vnni_available():
         return "vnni"
     if want in ("auto", "vnni", "bf16") and _bf16_hardware():
         return "bf16"
     return "fp32"
+
+
+compute_mode.cache_clear = _compute_mode.cache_clear  # callers that cleared the old cache keep working
 
 
 def bf16_prefill() -> bool:

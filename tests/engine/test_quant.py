@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from genpool.engine.models.quant import quantize_int8
+from genpool.kernels import settings as kernel_settings_module
 from genpool.kernels.cpu import gemm as cpu_gemm
 from genpool.kernels.cpu import qgemm as cpu_qgemm
 from genpool.kernels.qtensor import QTensor, pack_nibbles
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(not cpu_qgemm.available(), reason="no C compiler
 def fp32_compute(monkeypatch):
     """Every product on fp32 FMAs over the widened weight (else VNNI CPUs take int8 dot products,
     and prompt-sized ones bf16 products on bf16 hardware)."""
+    monkeypatch.setattr(kernel_settings_module, "_current", None)  # the environment's, not an earlier engine's
     monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", "fp32")
     cpu_qgemm.compute_mode.cache_clear()
     yield
@@ -272,6 +274,7 @@ def test_bf16_widening_rounds_the_dequantized_weight_to_nearest_even(kind):
 def test_prompt_sized_products_stay_close_in_every_compute_mode(mode, monkeypatch):
     """Prompt-sized batches take int8 dot products (VNNI CPUs) or bf16 products (bf16 hardware) by
     default; GENPOOL_QUANT_COMPUTE=fp32 keeps the fp32 GEMM's bits. Each is close to the exact product."""
+    monkeypatch.setattr(kernel_settings_module, "_current", None)  # the environment's, not an earlier engine's
     monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", mode)
     cpu_qgemm.compute_mode.cache_clear()
     try:

@@ -12,6 +12,7 @@ import torch
 
 from genpool.engine.models.llama import Linear
 from genpool.kernels import get_backend, ref
+from genpool.kernels import settings as kernel_settings_module
 from genpool.kernels.cpu import backend as cpu_backend
 from genpool.kernels.cpu import build as cpu_build
 from genpool.kernels.cpu import gemm as cpu_gemm
@@ -137,6 +138,7 @@ def test_swiglu_epilogue_takes_whole_panels_only_and_the_backend_falls_back():
 
 
 def test_linear_layers_pack_for_their_backend(monkeypatch):
+    monkeypatch.setattr(kernel_settings_module, "_current", None)  # the environment's, not an earlier engine's
     monkeypatch.setenv("GENPOOL_CPU_GEMM", "1")
     lin = Linear(32, 24, bias=True)
     torch.nn.init.normal_(lin.weight_t)
@@ -199,6 +201,7 @@ def test_build_falls_back_to_one_thread_without_openmp(tmp_path, monkeypatch):
 
 
 def test_tile_kernels_are_the_default_and_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(kernel_settings_module, "_current", None)  # the environment's, not an earlier engine's
     monkeypatch.delenv("GENPOOL_CPU_GEMM", raising=False)
     assert cpu_backend.use_tile_kernels()
     assert get_backend("cpu").paged_attention.keywords["prefill"] is cpu_prefill_attention.prefill_rows

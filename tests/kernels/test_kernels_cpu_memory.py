@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from genpool.kernels import settings as kernel_settings_module
 from genpool.kernels.cpu import gemm as cpu_gemm
 from genpool.kernels.cpu import memory as cpu_memory
 
@@ -50,6 +51,7 @@ def test_weights_share_aligned_arenas_and_big_ones_start_on_a_huge_page():
 
 
 def test_turned_off_it_is_plain_torch_memory(monkeypatch):
+    monkeypatch.setattr(kernel_settings_module, "_current", None)  # the environment's, not an earlier engine's
     monkeypatch.setenv("GENPOOL_HUGE_PAGES", "0")
     assert not cpu_memory.huge_pages_available()
     t = cpu_memory.weight_empty((8, 3))
@@ -58,6 +60,7 @@ def test_turned_off_it_is_plain_torch_memory(monkeypatch):
 
 
 def test_packed_weights_give_the_same_products_from_either_memory(monkeypatch):
+    monkeypatch.setattr(kernel_settings_module, "_current", None)  # the environment's, not an earlier engine's
     w, x = torch.randn(96, 200), torch.randn(9, 96)
     on = cpu_gemm.PackedWeight(w)
     monkeypatch.setenv("GENPOOL_HUGE_PAGES", "0")

@@ -112,6 +112,8 @@ def test_dataclass_options_keep_their_defaults_visible(cls):
     by_dest = {a.dest: a for a in shown_actions(p)}  # not the hidden aliases (--no-prefix-caching)
     problems = []
     for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):  # bookkeeping, not an option (EngineConfig.setting_sources)
+            continue
         a = by_dest[f.name]
         h = expanded_help(p, a)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
