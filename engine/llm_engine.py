@@ -88,11 +88,13 @@ class LLMEngine:
         self.startup.done()
 
     def describe(self) -> str:
-        """Device, dtype, kernel backend and KV capacity, for the one line a worker logs at start."""
+        """Device, dtype, kernel backend and KV capacity, and where each environment-backed
+        setting came from (explicit, env or default), for the one line a worker logs at start."""
         r, bm = self.runner, self.block_manager
         return (f"device={r.device} dtype={self.config.dtype} kernels={r.kern.name} "
                 f"kv_blocks={bm.num_blocks}x{bm.block_size} ({bm.num_blocks * bm.block_size} tokens, "
-                f"{mib(bm.num_blocks * r.bytes_per_block)}) max_model_len={self.max_model_len}")
+                f"{mib(bm.num_blocks * r.bytes_per_block)}) max_model_len={self.max_model_len}; "
+                f"settings: {self.config.settings_report()}")
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from genpool.engine.attention_metadata import AttentionMetadata, SampledRows
-from genpool.engine.config import EngineConfig
+from genpool.engine.config import EngineConfig, apply_kernel_settings
 from genpool.engine.cpu_alloc import default_kv_budget, lazy_zeros, trim_heap, tune_malloc
 from genpool.engine.models.llama import rope_cache
 from genpool.engine.models.loader import load_model
@@ -23,8 +23,9 @@ class ModelRunner:
         self.config = config
         startup = startup or StartLog()
         self.device = torch.device(config.resolved_device())
+        apply_kernel_settings(config)  # before any kernel runs: the config's values, not the env's
         if self.device.type == "cpu":
-            tune_malloc()
+            tune_malloc(config.malloc_tune)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.kern = get_backend(config.kernel_backend, self.device.type)

@@ -259,3 +259,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     f"at the peak)")
     for p in getattr(config, "_genpool_problems", []):
         terminalreporter.write_line(f"genpool suite: FAILED hygiene check: {p}", red=True)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_settings_per_test():
+    """An engine sets the kernels' settings process-wide when it starts (engine/config.py
+    apply_kernel_settings). Each test starts from the settings table instead (what a test's
+    monkeypatched GENPOOL_ variable says), whatever an earlier test's engine asked for."""
+    from genpool.kernels.settings import set_kernel_settings
+
+    set_kernel_settings(None)
+    yield

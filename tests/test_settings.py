@@ -17,18 +17,19 @@ from genpool.schemas.config import genpool_home, key_prefix
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("engine", "kernels", "workers", "producer", "schemas")
 TABLE = Path("schemas/settings.py")
-# workers/ is being restructured (issue 29); its reads move to the table there. A file listed
-# here that no longer reads a knob fails the last test, so the list only shrinks.
-PENDING = {Path("workers/cli/worker.py"), Path("workers/cli/main.py"),
-           Path("workers/worker_runner.py"), Path("workers/integrations/celery_app.py"),
-           Path("workers/integrations/embedded.py")}
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """No GENPOOL_ variable set, and no engine's kernel settings left from an earlier test (an
+    engine sets them process-wide)."""
+    from genpool.kernels.settings import set_kernel_settings
+
     for s in settings.SETTINGS:
         monkeypatch.delenv(s.env, raising=False)
-    return monkeypatch
+    set_kernel_settings(None)
+    yield monkeypatch
+    set_kernel_settings(None)
 
 
 def test_explicit_beats_env_beats_default(clean_env):
@@ -87,6 +88,24 @@ def test_the_kernels_take_the_engines_values_over_the_environment(clean_env):
         assert cpu_qgemm.compute_mode() in ("vnni", "bf16", "fp32")
         apply_kernel_settings(EngineConfig(model="m"))  # not given: the environment's
         assert cpu_qgemm.compute_mode() == "fp32"
+    finally:
+        set_kernel_settings(None)
+
+
+def test_an_engine_hands_its_explicit_values_to_the_kernels(clean_env, tiny_llama_path):
+    """The environment says one thing, the engine's config another: the config runs."""
+    from genpool.engine.llm import LLM
+    from genpool.kernels.cpu import qgemm as cpu_qgemm
+    from genpool.kernels.settings import kernel_settings, set_kernel_settings
+
+    clean_env.setenv("GENPOOL_QUANT_COMPUTE", "fp32")
+    clean_env.setenv("GENPOOL_CPU_GEMM", "1")
+    try:
+        with LLM(str(tiny_llama_path), num_threads=1, quant_compute="bf16", cpu_gemm=False):
+            assert (kernel_settings().quant_compute, kernel_settings().cpu_gemm) == ("bf16", False)
+            assert cpu_qgemm.compute_mode() in ("bf16", "fp32")  # bf16, or fp32 without AVX512-BF16
+        with LLM(str(tiny_llama_path), num_threads=1):  # nothing given: the environment's
+            assert (kernel_settings().quant_compute, kernel_settings().cpu_gemm) == ("fp32", True)
     finally:
         set_kernel_settings(None)
 
@@ -166,7 +185,7 @@ def _product_files():
 
 def test_no_genpool_knob_is_read_outside_the_table():
     imported = _imported_constants()
-    reads = [r for rel in _product_files() if rel != TABLE and rel not in PENDING
+    reads = [r for rel in _product_files() if rel != TABLE
              for r in _knob_reads(ROOT / rel, imported)]
     assert not reads, "read these through genpool.schemas.settings:\n" + "\n".join(reads)
     assert _knob_reads(ROOT / TABLE) == []  # the table reads by a variable's name, from its rows
@@ -178,9 +197,3 @@ def test_the_checker_finds_a_read(tmp_path):
                    'c = os.getenv("GENPOOL_Z", "1")\nd = "GENPOOL_W" in os.environ\ne = os.environ.get("HOME")\n')
     assert [r.split(" reads ")[1] for r in _knob_reads(bad, {})] == ["GENPOOL_Y", "GENPOOL_X", "GENPOOL_Z",
                                                                  "GENPOOL_W"]
-
-
-def test_the_pending_list_only_shrinks():
-    imported = _imported_constants()
-    done = [str(p) for p in sorted(PENDING) if not _knob_reads(ROOT / p, imported)]
-    assert not done, f"these read no GENPOOL_ knob any more: drop them from PENDING: {done}"

@@ -1,11 +1,11 @@
 """Worker liveness: a key with a TTL (gone = worker dead) plus an info entry in the workers hash."""
 from __future__ import annotations
 
-import json
 import time
 
 from genpool.schemas import Keys
 from genpool.schemas.keys import WORKER_STALE_S, heartbeat_ttl_s
+from genpool.schemas.workers import WorkerInfo, parse_worker_info
 
 
 class Heartbeat:
@@ -15,9 +15,9 @@ class Heartbeat:
         self.started = time.time()
         self.beats = 0
 
-    def beat(self, info: dict) -> None:
-        doc = json.dumps({**info, "name": self.name, "started": self.started, "beat": time.time(),
-                          "ttl_s": self.ttl_s})
+    def beat(self, info: WorkerInfo) -> None:
+        doc = info.model_copy(update={"name": self.name, "started": self.started,
+                                      "beat": time.time(), "ttl_s": self.ttl_s}).model_dump_json()
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.worker(self.name), doc, ex=self.ttl_s)
         pipe.hset(self.keys.workers, self.name, doc)
@@ -29,10 +29,8 @@ class Heartbeat:
     def _prune(self) -> None:
         now = time.time()
         for name, doc in self.r.hgetall(self.keys.workers).items():
-            try:
-                beat = float(json.loads(doc).get("beat", 0))
-            except (ValueError, TypeError, AttributeError):
-                beat = 0.0
+            info, _ = parse_worker_info(doc)
+            beat = info.beat if info is not None else 0.0  # unreadable: nobody can use it either
             if now - beat > WORKER_STALE_S:  # it died without saying goodbye
                 self.r.hdel(self.keys.workers, name)
 

@@ -23,6 +23,7 @@ from genpool.engine.protocol import Engine
 from genpool.schemas import LANES, Keys
 from genpool.schemas.scripting import Script, pipelined
 from genpool.schemas.scripts import READ_LUA
+from genpool.schemas.workers import WorkerInfo
 from genpool.workers.admission import Admitter
 from genpool.workers.admit import Admission
 from genpool.workers.heartbeat import Heartbeat
@@ -301,9 +302,15 @@ class Worker:
         self.heartbeat.beat(self.status())
         self.router.touch()
 
-    def status(self) -> dict:
-        return {"model": ",".join(sorted(self.cfg.served_models)), "model_name": self.model_name,
-                "pid": os.getpid(), "host": socket.gethostname(), "running": len(self.jobs),
-                "state": "draining" if self.stopping else "running", "steps": self.steps,
-                **self.counts, **{k: round(v, 3) for k, v in self.timing.items()},
-                **self.router.status()}
+    def status(self) -> WorkerInfo:
+        """The heartbeat's document. Strict and closed: a field WorkerInfo does not know is an
+        error here, not a value readers never see."""
+        doc = {"model": ",".join(sorted(self.cfg.served_models)), "model_name": self.model_name,
+               "pid": os.getpid(), "host": socket.gethostname(), "running": len(self.jobs),
+               "state": "draining" if self.stopping else "running", "steps": self.steps,
+               **self.counts, **{k: round(v, 3) for k, v in self.timing.items()},
+               **self.router.status()}
+        unknown = doc.keys() - WorkerInfo.model_fields.keys()
+        if unknown:
+            raise TypeError(f"worker status fields WorkerInfo lacks: {sorted(unknown)}")
+        return WorkerInfo.model_validate(doc)

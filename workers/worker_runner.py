@@ -6,22 +6,23 @@ file; imports of prometheus_client and celery happen only when their options are
 from __future__ import annotations
 
 import argparse
-import os
+
+from genpool.schemas.settings import value
 
 
 def add_runner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("monitoring and Celery")
-    g.add_argument("--metrics-port", type=int, default=_env_int("GENPOOL_METRICS_PORT"),
+    g.add_argument("--metrics-port", type=int, default=value("GENPOOL_METRICS_PORT"),
                    help="serve Prometheus /metrics on this port (0: any free port; default: "
                         "$GENPOOL_METRICS_PORT, else none: no /metrics server)")
-    g.add_argument("--metrics-addr", default=os.environ.get("GENPOOL_METRICS_ADDR", "127.0.0.1"),
+    g.add_argument("--metrics-addr", default=value("GENPOOL_METRICS_ADDR"),
                    help="address /metrics listens on; 0.0.0.0 exposes it, as compose does inside "
                         "its network (default: %(default)s; $GENPOOL_METRICS_ADDR sets it, else "
                         "loopback)")
     g.add_argument("--celery-events", action="store_true",
-                   default=os.environ.get("GENPOOL_CELERY_EVENTS", "").lower() in ("1", "true"),
+                   default=value("GENPOOL_CELERY_EVENTS"),
                    help="send Celery events so Flower shows this worker and its jobs (default: off, "
-                        "on when $GENPOOL_CELERY_EVENTS is 1 or true)")
+                        "on when $GENPOOL_CELERY_EVENTS is 1, true, yes or on)")
     g.add_argument("--celery", action="store_true",
                    help="run inside a Celery worker (threads pool): also serve genpool.generate "
                         "tasks, answer remote control (ping, shutdown); implies --celery-events")
@@ -29,11 +30,6 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                    help="Celery queue to consume (default $GENPOOL_CELERY_QUEUE or genpool)")
     g.add_argument("--celery-concurrency", type=int, default=None,
                    help="task threads (default: the worker's job capacity)")
-
-
-def _env_int(name: str):
-    v = os.environ.get(name)
-    return int(v) if v else None
 
 
 def run_worker(worker, a: argparse.Namespace, url: str) -> int:

@@ -115,6 +115,7 @@ def test_engine_logs_its_choices_once(tiny_llama_path, caplog):
     import threading
     (rec,) = [r for r in caplog.records if r.name == "genpool.worker" and r.thread == threading.get_ident()]
     assert "device=cpu dtype=float32 kernels=torch kv_blocks=8x16" in rec.getMessage()
+    assert "settings: kernel_backend=torch (explicit), cpu_gemm=" in rec.getMessage()
 
 
 def test_the_worker_and_the_fake_satisfy_the_engine_protocol(tiny_llama_path):

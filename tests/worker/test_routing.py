@@ -281,7 +281,7 @@ def test_jobs_follow_their_cached_prefix_to_a_peer(topo_env):
             assert a.router.counts["handed_in"] == b.router.counts["handed_off"]
             assert set(eb.ran) == set()  # b's engine computed none of them
             st = b.status()
-            assert st["routed_affinity"] == b.router.counts["handed_off"]
+            assert st.routed_affinity == b.router.counts["handed_off"]
             wait_for(lambda: json.loads(c.redis.hget(c.keys.workers, "a"))["handed_in"] >= 1,
                      timeout=5, what="heartbeat carries the counters")
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
+
+from genpool.schemas.settings import value
 
 COMMANDS: dict[str, str] = {
     "models": "genpool.workers.cli.models:register",
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ngenpool {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one line, not a traceback (unless --debug)
-        if debug or os.environ.get("GENPOOL_DEBUG"):
+        if debug or value("GENPOOL_DEBUG"):
             raise
         msg, code = explain(args.command, args, e)
         print(f"genpool {args.command}: {msg}", file=sys.stderr)

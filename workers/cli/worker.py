@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 from pathlib import Path
 
 from genpool.engine.config_args import add_dataclass_args, dataclass_kwargs
 from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.settings import value
 from genpool.workers.worker_runner import add_runner_args, run_worker
 
 log = logging.getLogger("genpool.worker")
@@ -30,7 +30,7 @@ def register_worker(sub) -> None:
     g = p.add_argument_group("queue")
     add_dataclass_args(g, WorkerConfig)
     g.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)  # tests: module:fn
-    g.add_argument("--log-level", default=os.environ.get("GENPOOL_LOG_LEVEL", "INFO"),
+    g.add_argument("--log-level", default=value("GENPOOL_LOG_LEVEL"),
                    type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
                    metavar="LEVEL", help="Python logging level: DEBUG, INFO, WARNING, ERROR or "
                    "CRITICAL (default: %(default)s; $GENPOOL_LOG_LEVEL sets it, else INFO)")

@@ -23,6 +23,7 @@ from celery.exceptions import Ignore, Reject
 from genpool.producer import Client
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
+from genpool.schemas.settings import value
 from genpool.workers.integrations.celery_guard import GuardedTask
 from genpool.workers.integrations.flower_events import CELERY_MARK, REVOKED_CODES
 
@@ -50,7 +51,7 @@ def celery_redis(url: str) -> dict:
     single Redis or Sentinel URL in GENPOOL_CELERY_BROKER_URL (the jobs still use the cluster)."""
     from genpool.schemas.connection import parse
 
-    t = parse(os.environ.get(ENV_BROKER) or url)
+    t = parse(value(ENV_BROKER) or url)
     if t.kind == "cluster":
         raise ValueError(f"Celery's Redis transport (kombu) cannot use Redis Cluster: set "
                          f"{ENV_BROKER} to a single-server or redis+sentinel:// URL for Celery's "
@@ -92,7 +93,7 @@ def _config(url: str, queue: str) -> dict:
 def make_app(url: Optional[str] = None, queue: Optional[str] = None) -> Celery:
     """A Celery app configured like ours: what calling code may use for `send_task`."""
     a = Celery("genpool", set_as_current=False)
-    a.conf.update(_config(redis_url(url), queue or os.environ.get(ENV_QUEUE) or DEFAULT_QUEUE))
+    a.conf.update(_config(redis_url(url), queue or value(ENV_QUEUE)))
     return a
 
 
@@ -100,7 +101,7 @@ def make_app(url: Optional[str] = None, queue: Optional[str] = None) -> Celery:
 # GENPOOL_CELERY_QUEUE, the producer's key prefix from GENPOOL_PREFIX; `genpool worker --celery`
 # calls configure() with its own --redis/--prefix before the app connects anywhere.
 app = Celery("genpool")
-app.conf.update(_config(redis_url(), os.environ.get(ENV_QUEUE) or DEFAULT_QUEUE))
+app.conf.update(_config(redis_url(), value(ENV_QUEUE)))
 
 _settings: dict = {"url": None, "prefix": None, "client": None}
 _client_lock = threading.Lock()

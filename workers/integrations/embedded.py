@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from genpool.schemas.config import DEFAULT_URL, ENV_URL, answers, embedded_state_file, embedded_url, genpool_home
+from genpool.schemas.settings import value
 
 log = logging.getLogger("genpool.embedded")
 
@@ -123,8 +124,9 @@ def ensure_redis(explicit: Optional[str] = None, start: bool = True
                  ) -> tuple[str, Optional[RedisServer]]:
     """The URL to use, starting an embedded server (detached, recorded in the state file) only
     when no URL was given and nothing answers. Returns (url, server-we-started or None)."""
-    if explicit or os.environ.get(ENV_URL):
-        return explicit or os.environ[ENV_URL], None
+    given = value(ENV_URL, explicit)
+    if given:
+        return given, None
     if answers(DEFAULT_URL):
         return DEFAULT_URL, None
     url = embedded_url()
