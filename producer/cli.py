@@ -150,6 +150,9 @@ def follow(job, timeout, as_json: bool, cmd: str) -> int:
         for ev in job.stream(timeout=timeout, raise_on_error=False):
             if ev.type == "restart":
                 print("\n[restarted]", file=sys.stderr)
+            elif ev.type == "rewind":  # Redis lost the tail of the stream the reader had seen
+                print(f"\n[rewound to token {ev.token_index} of completion {ev.index}: drop "
+                      f"{ev.dropped_text!r}]", file=sys.stderr)
             elif ev.type == "trimmed":
                 trimmed += ev.events
                 print(f"\n[{ev.events} events were trimmed from the job's stream before they "

@@ -6,7 +6,15 @@ from typing import Any, Iterator, Optional
 
 import redis
 
-from genpool.schemas import TERMINAL, JobResult, Keys, RestartEvent, TokenEvent, TrimmedEvent
+from genpool.schemas import (
+    TERMINAL,
+    JobResult,
+    Keys,
+    RestartEvent,
+    RewindEvent,
+    TokenEvent,
+    TrimmedEvent,
+)
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.connection import REDIS_DOWN, backoff, connect, is_cluster, stored_shards, xread_one
 from genpool.schemas.scripting import Script, pipelined
@@ -100,8 +108,9 @@ class Job:
 
     def stream(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
                no_worker_s: Optional[float] = None
-               ) -> Iterator[TokenEvent | RestartEvent | TrimmedEvent]:
+               ) -> Iterator[TokenEvent | RestartEvent | RewindEvent | TrimmedEvent]:
         """Token events from the start; a RestartEvent only if a rerun diverged (see replay.py);
+        a RewindEvent where a worker resumed the job from fewer tokens than this reader saw;
         a TrimmedEvent where this reader fell so far behind that the stream's cap dropped events
         unread (their text is then missing here, never from `result()`). Ends normally on a
         result or a cancel; raises JobFailed on any other error."""

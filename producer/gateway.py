@@ -67,6 +67,15 @@ MAX_OPEN, MAX_OPEN_PER_CLIENT = 512, 32
 IDLE_TIMEOUT_S = 5.0  # a request body that goes quiet this long gets 408 (gateway_http.py: same)
 
 
+# Why a stream ends early: the job's text changed under text already sent (producer/replay.py)
+_TAKEN_BACK = {
+    "restart": "the job was rerun after a worker failure and its new output differs from what "
+               "was streamed; retry",
+    "rewind": "Redis lost the tail of the job's stream after a failure: the job goes on from "
+              "fewer tokens than were streamed; retry",
+}
+
+
 class Gateway:
     def __init__(self, url: Optional[str], prefix: Optional[str], api_keys: Iterable[str],
                  max_queue_depth: Optional[int], priority: int, default_model: Optional[str],
@@ -230,11 +239,10 @@ class Gateway:
                 for i in range(req.kwargs.get("n", 1)):
                     yield sse(chunk_body(req, job.id, created, i, role=True))
             async for ev in iterate_until_disconnect(request, events):
-                if ev.type == "restart":
+                if ev.type in ("restart", "rewind"):
                     # Text already sent cannot be taken back; stop rather than send a mix.
-                    yield sse(APIError(500, "the job was rerun after a worker failure and its "
-                                            "new output differs from what was streamed; retry",
-                                       "server_error", code="restarted").body())
+                    yield sse(APIError(500, _TAKEN_BACK[ev.type], "server_error",
+                                       code="restarted").body())
                     return
                 if ev.text:
                     yield sse(chunk_body(req, job.id, created, ev.index, text=ev.text))

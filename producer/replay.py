@@ -6,6 +6,11 @@ terminal that printed it. `Replay` therefore swallows re-sent text that matches 
 passes on only the new part. Only when a rerun diverges does the reader get a RestartEvent (its
 `.text` is empty), followed by the rerun's full text so far.
 
+A `resume` event means a worker took the job over and continues each completion after the tokens
+the log holds. A reader that saw exactly those sees nothing; one that saw more (Redis lost the
+tail of the stream) gets a RewindEvent per such completion, naming the token index it goes on
+from and the text to drop, before the continuation.
+
 A job's stream is capped (MAXLEN ~16,384 entries), so a reader that falls further behind loses the
 oldest events unread. Workers number every entry (field `seq`: 1, 2, ...), and `read_events`
 puts a TrimmedEvent where the numbers jump, so such a reader is told, not handed a silent gap.
@@ -14,11 +19,20 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Union
 
-from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent, TrimmedEvent
+from genpool.schemas import (
+    ErrorEvent,
+    RestartEvent,
+    ResultEvent,
+    ResumeEvent,
+    RewindEvent,
+    TokenEvent,
+    TrimmedEvent,
+)
 
 from .protocol import decode_event
 
-AnyEvent = Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent, TrimmedEvent]
+AnyEvent = Union[TokenEvent, RestartEvent, ResumeEvent, RewindEvent, ResultEvent, ErrorEvent,
+                 TrimmedEvent]
 
 
 class _Track:
@@ -28,6 +42,27 @@ class _Track:
         self.text, self.ids = "", []
         self.redo_text, self.redo_ids = "", []
         self.replaying = False
+        self.marks: list[tuple[int, int]] = [(0, 0)]  # (tokens, chars) shown after each event
+        self.redo_marks: list[tuple[int, int]] = [(0, 0)]  # the same for the rerun's copy
+
+    def shown(self, text: str, ids: list[int]) -> None:
+        self.text, self.ids = text, list(ids)
+        self.marks.append((len(self.ids), len(self.text)))
+
+    def cut(self, k: int) -> Optional[RewindEvent]:
+        """Keep the first k tokens shown (a resume goes on from there); the rewind, if any."""
+        if self.replaying:  # the rerun's copy is what the log holds: it is cut, not the shown
+            chars = max(c for n, c in self.redo_marks if n <= k)
+            self.redo_text, self.redo_ids = self.redo_text[:chars], self.redo_ids[:k]
+            self.redo_marks = [(n, c) for n, c in self.redo_marks if n <= k]
+            return None
+        if len(self.ids) <= k:
+            return None
+        chars = max(c for n, c in self.marks if n <= k)  # events end on token boundaries
+        ev = RewindEvent(token_index=k, dropped=len(self.ids) - k, dropped_text=self.text[chars:])
+        self.text, self.ids = self.text[:chars], self.ids[:k]
+        self.marks = [(n, c) for n, c in self.marks if n <= k]
+        return ev
 
 
 class Replay:
@@ -40,8 +75,10 @@ class Replay:
         if isinstance(ev, RestartEvent):
             self.restarts += 1
             for t in self.tracks.values():
-                t.replaying, t.redo_text, t.redo_ids = True, "", []
+                t.replaying, t.redo_text, t.redo_ids, t.redo_marks = True, "", [], [(0, 0)]
             return []
+        if isinstance(ev, ResumeEvent):
+            return self._resume(ev)
         if isinstance(ev, ResultEvent) and any(
                 t.replaying and (t.redo_text, t.redo_ids) != (t.text, t.ids)
                 for t in self.tracks.values()):
@@ -50,21 +87,32 @@ class Replay:
             return [ev]
         t = self.tracks.setdefault(ev.index, _Track())
         if not t.replaying:
-            t.text += ev.text
-            t.ids += ev.token_ids
+            t.shown(t.text + ev.text, t.ids + ev.token_ids)
             return [ev]
         return self._rerun_token(t, ev)
+
+    def _resume(self, ev: ResumeEvent) -> list[AnyEvent]:
+        out: list[AnyEvent] = []
+        for index, t in sorted(self.tracks.items()):
+            k = ev.tokens[index] if index < len(ev.tokens) else 0
+            rewind = t.cut(k)
+            if rewind is not None:
+                rewind.index = index
+                out.append(rewind)
+        return out
 
     def _rerun_token(self, t: _Track, ev: TokenEvent) -> list[AnyEvent]:
         t.redo_text += ev.text
         t.redo_ids += ev.token_ids
+        t.redo_marks.append((len(t.redo_ids), len(t.redo_text)))
         if t.text.startswith(t.redo_text) and len(t.redo_ids) <= len(t.ids):
             return []  # still inside what the reader has already seen
         if t.redo_text.startswith(t.text) and t.redo_ids[:len(t.ids)] == t.ids:
             new_ids = t.redo_ids[len(t.ids):]
             out = TokenEvent(index=ev.index, text=t.redo_text[len(t.text):], token_ids=new_ids,
                              logprobs=ev.logprobs[-len(new_ids):] if ev.logprobs and new_ids else None)
-            t.text, t.ids, t.replaying = t.redo_text, list(t.redo_ids), False
+            t.replaying = False
+            t.shown(t.redo_text, t.redo_ids)
             return [out]
         return self._diverged()
 
@@ -75,7 +123,8 @@ class Replay:
         for index in sorted(self.tracks):
             t = self.tracks[index]
             if t.replaying:
-                t.text, t.ids, t.replaying = t.redo_text, list(t.redo_ids), False
+                t.replaying, t.marks = False, [(0, 0)]
+                t.shown(t.redo_text, t.redo_ids)
             if t.text or t.ids:
                 out.append(TokenEvent(index=index, text=t.text, token_ids=list(t.ids)))
         return out

@@ -10,6 +10,8 @@ from .events import (
                      JobResult,
                      RestartEvent,
                      ResultEvent,
+                     ResumeEvent,
+                     RewindEvent,
                      Timings,
                      TokenEvent,
                      TrimmedEvent,
@@ -29,7 +31,7 @@ from .request import (
 
 __all__ = [
     "TERMINAL", "Choice", "ErrorCode", "ErrorEvent", "Event", "EventAdapter", "FinishReason",
-    "JobResult", "RestartEvent", "ResultEvent", "Timings", "TokenEvent", "TrimmedEvent", "Usage",
+    "JobResult", "RestartEvent", "ResultEvent", "ResumeEvent", "RewindEvent", "Timings", "TokenEvent", "TrimmedEvent", "Usage",
     "parse_event",
     "GROUP", "LANES", "PROTOCOL_VERSION", "Keys", "lane_for", "MAX_PROMPT_CHARS", "SAMPLING_FIELDS",
     "ChatMessage", "JobRequest", "describe_validation_error", "new_job_id", "parse_request",

@@ -1,7 +1,8 @@
 """Events a worker writes to a job's stream (field `event`), and the result object readers get.
 
 A job's stream is a log a reader replays from the start: zero or more `token` events, possibly
-interrupted by `restart` (the job is being rerun from scratch: discard what you have), and exactly one
+interrupted by `restart` (the job is being rerun from scratch: discard what you have) or by `resume`
+(a worker took the job over and continues it after the tokens the log holds), and exactly one
 terminal event, `result` or `error`.
 """
 from __future__ import annotations
@@ -32,12 +33,39 @@ class TokenEvent(_Wire):
     token_ids: list[int] = Field(default_factory=list)
     # One {token_id: logprob} map per new token, when the request asked for logprobs.
     logprobs: Optional[list[dict[str, float]]] = None
+    # On an attempt's first token only: what a worker that takes the job over needs to continue
+    # it exactly (workers/takeover.py): the engine's model identity and the sampling seed.
+    model_identity: Optional[dict] = None
+    seed: Optional[int] = None
 
 
 class RestartEvent(_Wire):
     type: Literal["restart"] = "restart"
     reason: str = ""
     attempt: int = 1
+    text: str = ""  # so a reader that concatenates `.text` can treat every event alike
+
+
+class ResumeEvent(_Wire):
+    """A worker took the job over and continues it: completion i goes on after its first
+    `tokens[i]` tokens, as the log before this event holds them. A reader that has seen exactly
+    those has nothing to do (the Python client shows nothing); one that has seen more (Redis
+    lost the tail of the stream: AOF everysec, a failover) must drop what is past them."""
+    type: Literal["resume"] = "resume"
+    attempt: int = 1
+    tokens: list[int] = Field(default_factory=list)
+
+
+class RewindEvent(_Wire):
+    """Never on the wire: what the Python client yields when a `resume` continues completion
+    `index` from token `token_index`, fewer tokens than this reader was shown (they were lost
+    with the tail of the stream). Drop the last `dropped` tokens and `dropped_text` of that
+    completion; the text after this event continues from there."""
+    type: Literal["rewind"] = "rewind"
+    index: int = 0
+    token_index: int = 0
+    dropped: int = 0
+    dropped_text: str = ""
     text: str = ""  # so a reader that concatenates `.text` can treat every event alike
 
 
@@ -95,13 +123,14 @@ class TrimmedEvent(_Wire):
     text: str = ""  # so a reader that concatenates `.text` can treat every event alike
 
 
-Event = Annotated[Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent],
+Event = Annotated[Union[TokenEvent, RestartEvent, ResumeEvent, ResultEvent, ErrorEvent],
                   Field(discriminator="type")]
 EventAdapter: TypeAdapter = TypeAdapter(Event)
 TERMINAL = ("result", "error")
 
 
-def parse_event(data: Union[str, bytes]) -> Union[TokenEvent, RestartEvent, ResultEvent, ErrorEvent]:
+def parse_event(data: Union[str, bytes]
+                ) -> Union[TokenEvent, RestartEvent, ResumeEvent, ResultEvent, ErrorEvent]:
     return EventAdapter.validate_json(data)
 
 

@@ -31,6 +31,9 @@ EVENTS_MAXLEN = 16384  # a job's event stream, approximately (older events are t
 CONTROL_MAXLEN = 10_000  # the broadcast control stream (cancels)
 DEAD_MAXLEN = 100_000  # the dead-letter stream
 META_TTL_S = 30 * 86400  # the deployment's meta hash (lane shards), refreshed by every worker start
+# A released entry's idle time (ms), set as it is handed back (XCLAIM ... IDLE): longer than any
+# claim window, so the next reclaim check of any peer takes it instead of waiting claim_idle_ms.
+RELEASED_IDLE_MS = 365 * 86400 * 1000
 WORKER_STALE_S = 3600  # a worker whose last beat is this old is dropped from the workers hash
 
 

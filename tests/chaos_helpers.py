@@ -1,9 +1,10 @@
 """What "exactly one result" means, checked on a job's raw event stream (shared by the chaos tests).
 
 For every job: exactly one terminal event (`result` or `error`), and it is the last event; every
-`token` event carries the attempt that wrote it, and after a `restart` of attempt k only attempt
-k writes (so two workers' tokens never interleave); the terminal event is written by the last
-attempt. Lanes: nothing queued, nothing pending.
+`token` event carries the attempt that wrote it, and after a `restart` or `resume` of attempt k
+only attempt k writes (so two workers' tokens never interleave); a `resume` goes on after exactly
+the tokens the log holds for each completion (nothing repeated, nothing skipped); the terminal
+event is written by the last attempt. Lanes: nothing queued, nothing pending.
 """
 from __future__ import annotations
 
@@ -22,10 +23,18 @@ def stream_problems(client, job_id: str) -> list[str]:
         problems.append(f"{len(terminal)} terminal events")
     elif terminal[0] != len(events) - 1:
         problems.append(f"{len(events) - 1 - terminal[0]} events after the terminal one")
-    current = None
+    current, counts = None, {}
     for e in events:
+        if e.type == "token":
+            counts[e.index] = counts.get(e.index, 0) + len(e.token_ids)
         if e.type == "restart":
+            current, counts = e.attempt, {}
+        elif e.type == "resume":
             current = e.attempt
+            held = [counts.get(i, 0) for i in range(max(len(e.tokens), len(counts)))]
+            if list(e.tokens) + [0] * (len(held) - len(e.tokens)) != held:
+                problems.append(f"resume of attempt {e.attempt} after {e.tokens} tokens; the "
+                                f"log holds {held}")
         elif current is None:
             current = e.attempt
         elif e.attempt != current:

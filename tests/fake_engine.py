@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from genpool.engine.identity import ModelIdentity
 from genpool.engine.outputs import CompletionOutput, RequestOutput
 from genpool.engine.protocol import EngineStats
 
@@ -43,20 +44,26 @@ class FakeEngine:
     block_manager = None  # no prefix cache: prefix-aware routing stays off
 
     def __init__(self, max_num_seqs: int = 8, num_blocks: int = 4096, block_size: int = 16,
-                 step_delay: float = 0.0, max_model_len: int = 4096):
+                 step_delay: float = 0.0, max_model_len: int = 4096, revision: str = "fake-1"):
         self.tokenizer = FakeTokenizer()
+        self.revision = revision  # its model identity's: workers with different ones restart
         self.max_num_seqs, self.num_blocks, self.block_size = max_num_seqs, num_blocks, block_size
         self.step_delay, self.max_model_len = step_delay, max_model_len
         self.requests: dict[str, _Req] = {}
         self._aborted: list[RequestOutput] = []
         self.step_count = 0
         self.added = 0
+        self.resumed: list[tuple[str, int]] = []  # (request id, tokens it resumed after)
         self.log: list[tuple[int, str]] = []  # (step, request id) of every emitted token
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
-    def add_request(self, request_id, prompt, params, priority: int = 0, arrival_time=None):
+    def model_identity(self) -> ModelIdentity:
+        return ModelIdentity("fake", self.revision, "float32", None, "fake-tokenizer")
+
+    def add_request(self, request_id, prompt, params, priority: int = 0, arrival_time=None,
+                    resume=None):
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else \
@@ -64,9 +71,17 @@ class FakeEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; the model's limit is "
                              f"{self.max_model_len} including at least one generated token")
+        done = 0
+        if resume is not None:  # goes on after the tokens given, which must be its own
+            (done_ids,) = resume.token_ids  # n = 1 only
+            want = [ord(ch) for ch in expected_text(list(ids), params.max_tokens)[:len(done_ids)]]
+            if done_ids != want or len(done_ids) > params.max_tokens:
+                raise ValueError("resume refused: these tokens are not this engine's")
+            done = len(done_ids)
+            self.resumed.append((request_id, done))
         self.added += 1
         self.requests[request_id] = _Req(request_id, list(ids), params.max_tokens, priority,
-                                         self.added)
+                                         self.added, done)
 
     def abort_request(self, request_id):
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
@@ -88,6 +103,11 @@ class FakeEngine:
             time.sleep(self.step_delay)
         self.step_count += 1
         for q in self._running():
+            if q.done >= q.max_tokens:  # resumed with every token already out: it just ends
+                del self.requests[q.rid]
+                outs.append(RequestOutput(q.rid, None, q.ids, [CompletionOutput(0, "", [], "length")],
+                                          True))
+                continue
             text = expected_text(q.ids, q.max_tokens)[q.done]
             q.done += 1
             self.log.append((self.step_count, q.rid))
@@ -130,8 +150,9 @@ class CrashingEngine(FakeEngine):
         super().__init__(**kwargs)
         self.poison: set[str] = set()
 
-    def add_request(self, request_id, prompt, params, priority: int = 0, arrival_time=None):
-        super().add_request(request_id, prompt, params, priority, arrival_time)
+    def add_request(self, request_id, prompt, params, priority: int = 0, arrival_time=None,
+                    resume=None):
+        super().add_request(request_id, prompt, params, priority, arrival_time, resume)
         if isinstance(prompt, dict) and self.CRASH_WORD in (prompt.get("prompt") or ""):
             self.poison.add(request_id)
 

@@ -19,6 +19,7 @@ from genpool.schemas.scripts import CLAIM_LUA
 from genpool.workers.job import ACK, Claim, End, Fence, Job, JobState, Outcome
 from genpool.workers.lease import new_token
 from genpool.workers.streams import refused, s
+from genpool.workers.takeover import Takeover, plan, read_logs
 
 SOLO_AFTER = 2  # lost-worker batches a job may share before it runs alone (see CLAIM_LUA)
 CLAIM = Script(CLAIM_LUA)
@@ -117,6 +118,16 @@ class Admitter:
         j.claim, j.attempt, j.detail, j.suspect = Claim(s(kind)), int(attempt), s(detail), int(suspect)
         j.fence = (Fence(token, j.attempt) if claimed and j.claim.writes and token is not None
                    else None)
+
+    def take_over(self, jobs: list[Job], identity) -> None:
+        """For every job an earlier attempt ran (attempt > 1, ours to run), read its event log
+        and plan the resume (workers/takeover.py): one round trip. Raises on a lost connection."""
+        todo = [j for j in jobs if j.claim is Claim.RUN and j.attempt > 1]
+        for j, entries in zip(todo, read_logs(self.r, self.keys, todo)):
+            if isinstance(entries, Exception):  # e.g. a client clobbered the stream's key
+                j.takeover = Takeover(restart=f"its event log cannot be read ({entries})")
+            else:
+                j.takeover = plan(entries, j.req.n, identity)
 
     @staticmethod
     def settle(j: Job) -> Optional[Outcome]:

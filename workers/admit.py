@@ -72,6 +72,7 @@ class Admission:
             return
         try:
             self.admitter.claim(jobs)
+            self.admitter.take_over(jobs, self.jobs.identity)  # resume where they stopped
         except BaseException:
             # Redis went away mid-admission. What is left must not be kept fresh, or it would
             # never go idle and be reclaimed (by us or a peer) after claim_idle_ms: it would

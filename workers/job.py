@@ -12,7 +12,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from genpool.schemas import (
     Choice,
@@ -23,6 +23,9 @@ from genpool.schemas import (
     TokenEvent,
     Usage,
 )
+
+if TYPE_CHECKING:  # workers/takeover.py imports this module
+    from genpool.workers.takeover import Takeover
 
 DEAD_PAYLOAD_BYTES = 64 << 10  # how much of a junk entry is copied into the dead-letter stream
 _attempts = itertools.count(1)
@@ -153,6 +156,9 @@ class Job:
     detail: str = ""  # the claim's detail (a dead reason, the live lease holder's name)
     suspect: int = 0  # how often a worker was lost while it shared that worker's batch
     fence: Optional[Fence] = None  # this attempt's lease (every claim that writes has one)
+    # what the job's event log says an earlier attempt left (workers/takeover.py); None: the
+    # first attempt, nothing to read
+    takeover: Optional["Takeover"] = None
     # -- running
     engine_id: str = ""  # this attempt's request id in the engine (engine_request_id)
     admitted_at: float = 0.0
@@ -163,6 +169,7 @@ class Job:
     finish: dict[int, Optional[str]] = field(default_factory=dict)
     first_token_at: Optional[float] = None
     ttft_steps: Optional[int] = None  # engine steps that ended between arrival and first token
+    recorded: bool = False  # the model identity and seed went out with a first token
 
     @property
     def id(self) -> Optional[str]:
@@ -172,6 +179,17 @@ class Job:
     def ok(self) -> bool:
         """Parsed into a valid request (it may still fail to prepare: then `error` is set)."""
         return self.req is not None and self.error is None
+
+    @property
+    def resumed(self) -> bool:
+        return self.takeover is not None and self.takeover.resume is not None
+
+    def prime(self, t: "Takeover") -> None:
+        """Hold what the earlier attempt published, as if this attempt had generated it: the
+        result carries the whole text, usage counts every token once, ttft is the log's."""
+        self.texts = dict(t.texts)
+        self.ids = {i: list(v) for i, v in t.ids.items()}
+        self.first_token_at, self.recorded = t.first_token_at, True
 
     @property
     def generated(self) -> int:

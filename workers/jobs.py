@@ -37,6 +37,10 @@ class JobTable:
         self.running: dict[str, Job] = {}
         self.solo: deque[Job] = deque()  # suspect jobs: each runs alone, once the engine is empty
         self.solo_job: Optional[str] = None  # the suspect job running now
+        # what this engine's output depends on: recorded with each job's first token, compared
+        # by a worker that takes the job over (workers/takeover.py)
+        self.identity = engine.model_identity()
+        self.identity_doc = self.identity.to_dict()
 
     def __len__(self) -> int:
         return len(self.running)
@@ -65,12 +69,13 @@ class JobTable:
 
     # -- starting ----------------------------------------------------------------------------
     def start(self, job: Job) -> bool:
-        """add_request; a request the engine refuses ends as the job's error."""
+        """add_request, resuming after what an earlier attempt published where it can; a
+        request the engine refuses ends as the job's error."""
         req = job.req
         engine_id = engine_request_id(req.id)
         try:
             prompt = job.prompt or to_engine_prompt(self.engine, req)
-            self.engine.add_request(engine_id, prompt, make_params(req), priority=req.priority)
+            self._add(job, engine_id, prompt)
         except ValueError as exc:
             self.finish(job, Outcome.failed("invalid_request", str(exc)))
             return False
@@ -82,10 +87,35 @@ class JobTable:
         job.engine_id, job.admitted_at, job.state = engine_id, time.time(), JobState.RUNNING
         job.max_len = min(n_prompt + req.max_tokens, self.engine.max_model_len)
         self.running[job.id] = job
-        if job.attempt > 1 or job.entry.deliveries > 1:
-            self.outbox.restart(job, f"rerun (attempt {job.attempt}) after its worker was lost")
+        self._tell_reader(job)
         self.observers.emit("job_started", job)
         return True
+
+    def _add(self, job: Job, engine_id: str, prompt: dict) -> None:
+        params, t = make_params(job.req), job.takeover
+        if t is not None and t.resume is not None:
+            try:
+                self.engine.add_request(engine_id, prompt, params, priority=job.req.priority,
+                                        resume=t.resume)
+                return
+            except ValueError as exc:  # a log this engine could not have written
+                job.takeover = type(t)(restart=f"{exc}: rerun from the start")
+        self.engine.add_request(engine_id, prompt, params, priority=job.req.priority)
+
+    def _tell_reader(self, job: Job) -> None:
+        """A resumed job's reader gets a `resume` (a no-op for one that saw the whole log); a
+        rerun's, a `restart` saying why, when an earlier attempt published anything."""
+        t = job.takeover
+        if t is None:
+            return
+        if t.resume is not None:
+            job.prime(t)
+            self.outbox.resume(job, t.tokens)
+            log.info("job %s: resumed (attempt %d) after %d tokens", job.id, job.attempt,
+                     t.resume.num_tokens)
+        elif t.restart:
+            log.info("job %s: rerun (attempt %d): %s", job.id, job.attempt, t.restart)
+            self.outbox.restart(job, f"attempt {job.attempt}: {t.restart}")
 
     def queue_solo(self, job: Job) -> None:
         log.warning("job %s shared the batch of %d lost workers: running it alone", job.job_id,
@@ -161,9 +191,9 @@ class JobTable:
                 self.finish(job, Outcome(End.LOST))
 
     def release_all(self) -> None:
-        """Jobs still running at the drain deadline stay unacknowledged: after claim_idle_ms
-        another worker reclaims them and reruns them (their readers see a restart). They are
-        released (a fenced write), so that rerun is not counted against them."""
+        """Jobs still running at the drain deadline are handed over: released (a fenced write,
+        so the next attempt is not counted against them) and marked long idle (Outbox.send), so
+        a peer's next reclaim check takes them and resumes each after the tokens it published."""
         left = list(self.running.values()) + list(self.solo)
         if left:
             log.warning("releasing %d unfinished jobs to other workers", len(left))

@@ -22,9 +22,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from genpool.schemas import ErrorEvent, Keys, RestartEvent, ResultEvent, TokenEvent
+from genpool.schemas import ErrorEvent, Keys, RestartEvent, ResultEvent, ResumeEvent, TokenEvent
 from genpool.schemas.connection import is_cluster
-from genpool.schemas.keys import DEAD_MAXLEN, EVENTS_MAXLEN, JOB_TTL_S, RESULT_TTL_S, hash_tag
+from genpool.schemas.keys import (
+    DEAD_MAXLEN,
+    EVENTS_MAXLEN,
+    JOB_TTL_S,
+    RELEASED_IDLE_MS,
+    RESULT_TTL_S,
+    hash_tag,
+)
 from genpool.schemas.scripting import Script, pipelined
 from genpool.schemas.scripts import ACK_LUA
 from genpool.workers.job import Entry, Fence, Job
@@ -83,7 +90,7 @@ class Outbox:
 
     # -- events --------------------------------------------------------------------------
     def _event_json(self, ev, fence: Fence) -> str:
-        if ev.type != "restart":
+        if ev.type not in ("restart", "resume"):
             ev.attempt = fence.attempt
         return ev.model_dump_json(exclude_none=True)
 
@@ -92,6 +99,10 @@ class Outbox:
 
     def restart(self, job: Job, reason: str) -> None:
         ev = RestartEvent(reason=reason, attempt=job.fence.attempt)
+        self.ops.append(Write("events", job, events=[self._event_json(ev, job.fence)]))
+
+    def resume(self, job: Job, tokens: list[int]) -> None:
+        ev = ResumeEvent(attempt=job.fence.attempt, tokens=tokens)
         self.ops.append(Write("events", job, events=[self._event_json(ev, job.fence)]))
 
     def release(self, job: Job) -> None:
@@ -174,9 +185,11 @@ class Outbox:
         again: list[Write] = []
         earned = [op for op in ops if op.fence is None]
         calls = self._calls(fenced)
+        released = []
         for call, x in zip(calls, pipelined(r, calls, self._queue, [FENCE])):
             if x == 1:
                 earned += [op for op in call if op.kind == "final"]
+                released += [op for op in call if op.kind == "release"]
             elif refused(x):  # it wrote nothing: send it again as it was
                 for op in call:
                     op.refusal = x
@@ -187,7 +200,22 @@ class Outbox:
                 lost.add(call[0].job_id)
         if earned:
             again += self._acknowledge(r, [op for op in earned if op.entry is not None])
+        if released:
+            self._hand_over(r, released)
         return lost, again
+
+    def _hand_over(self, r, ops: list[Write]) -> None:
+        """Make released entries look long idle (still ours, no delivery charged), so that a
+        peer's next reclaim check takes them at once (a drain hands over in seconds, not after
+        claim_idle_ms). If this fails they are reclaimed after claim_idle_ms as before."""
+        def idle(pipe, op):
+            e = op.job.entry
+            pipe.xclaim(e.stream, self.keys.group, self.worker, 0, [e.entry_id],
+                        idle=RELEASED_IDLE_MS, justid=True)
+        failed = [x for x in pipelined(r, ops, idle) if isinstance(x, Exception)]
+        if failed:
+            log.warning("%d released entries wait for the claim window: %s", len(failed),
+                        failed[0])
 
     def _acknowledge(self, r, ops: list[Write]) -> list[Write]:
         """ACK_LUA for each op's entry, its dead letter first in the same script. On a cluster

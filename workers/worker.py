@@ -257,7 +257,9 @@ class Worker:
         for c in out.outputs:
             ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
             if ev is not None:
-                if job.ttft_steps is None:  # engine steps that ended since the job arrived
+                if not job.recorded:  # what a worker that takes the job over must know
+                    ev.model_identity, ev.seed, job.recorded = self.jobs.identity_doc, out.seed, True
+                if job.ttft_steps is None and not job.resumed:  # engine steps since arrival
                     job.ttft_steps = sum(t > job.entry.enqueued_at for t in self.step_ends)
                 self.outbox.token(job, ev)
                 self.observers.emit("job_token", job, ev)

@@ -9,7 +9,7 @@ import pytest
 
 from genpool.producer import AsyncClient, Client
 from genpool.producer.replay import Replay
-from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, TokenEvent
+from genpool.schemas import ErrorEvent, RestartEvent, ResultEvent, ResumeEvent, TokenEvent
 from genpool.schemas.connection import connect
 from tests.pool_helpers import drop_prefix, new_prefix
 
@@ -59,6 +59,42 @@ def test_replay_rerun_that_ends_short():
     for ev in [tok("abc", 1, 2), RestartEvent(), tok("a", 1), ResultEvent(text="a")]:
         seen += rp.feed(ev)
     assert [e.type for e in seen] == ["token", "restart", "token", "result"]
+
+
+def test_a_resume_after_exactly_what_the_reader_saw_is_invisible():
+    rp, seen = Replay(), []
+    for ev in [tok("Hel", 1), tok("lo", 2), ResumeEvent(attempt=2, tokens=[2]), tok(" you", 3),
+               ResultEvent(text="Hello you", token_ids=[1, 2, 3])]:
+        seen += rp.feed(ev)
+    assert [e.type for e in seen] == ["token", "token", "token", "result"]
+    assert "".join(e.text for e in seen[:-1]) == "Hello you"
+
+
+def test_a_resume_from_fewer_tokens_than_shown_rewinds_by_token_index():
+    """Redis lost the tail the reader had seen (AOF everysec, a failover): the taker resumes
+    after the durable tokens, and the reader is told what to drop before the continuation."""
+    rp, seen = Replay(), []
+    for ev in [tok("Hel", 1), tok("lo", 2, 3), tok("!", 4), ResumeEvent(attempt=2, tokens=[1]),
+               tok("p me", 5, 6), ResultEvent(text="Help me", token_ids=[1, 5, 6])]:
+        seen += rp.feed(ev)
+    assert [e.type for e in seen] == ["token", "token", "token", "rewind", "token", "result"]
+    rw = seen[3]
+    assert (rw.index, rw.token_index, rw.dropped, rw.dropped_text) == (0, 1, 3, "lo!")
+    shown = ""
+    for e in seen[:-1]:
+        shown = shown[:len(shown) - len(e.dropped_text)] if e.type == "rewind" else shown + e.text
+    assert shown == "Help me"  # what the reader ends with is the result's text
+
+
+def test_a_rewind_names_each_completion_it_cuts():
+    rp, seen = Replay(), []
+    for ev in [TokenEvent(index=0, text="a", token_ids=[1]),
+               TokenEvent(index=1, text="b", token_ids=[2]),
+               TokenEvent(index=1, text="c", token_ids=[3]),
+               ResumeEvent(attempt=2, tokens=[1, 1])]:
+        seen += rp.feed(ev)
+    (rw,) = [e for e in seen if e.type == "rewind"]
+    assert (rw.index, rw.token_index, rw.dropped_text) == (1, 1, "c")
 
 
 def test_submit_validates_locally(client):

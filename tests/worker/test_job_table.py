@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from genpool.engine.resume import ResumeState
 from genpool.schemas import Keys
 from genpool.workers.admission import Admitter, prepare
 from genpool.workers.intake import parse_entry
@@ -27,7 +28,8 @@ from genpool.workers.jobs import JobTable
 from genpool.workers.lease import LeaseKeeper
 from genpool.workers.observe import Observers
 from genpool.workers.outbox import Outbox
-from tests.fake_engine import FakeEngine
+from genpool.workers.takeover import Takeover
+from tests.fake_engine import FakeEngine, expected_text
 
 KEYS = Keys("unit")
 _ids = iter(range(1, 10**6))
@@ -131,10 +133,42 @@ def test_an_earlier_attempts_output_is_not_taken_for_the_rerun():
     t.jobs.drop_lost([first.job_id])
     again = prepare(t.engine, parse_entry(first.entry, frozenset({"fake"})))
     again.claim, again.fence, again.attempt = Claim.RUN, Fence("w1/t2", 2), 2
+    again.takeover = Takeover(restart="its log already ends")
     t.jobs.start(again)
     assert t.jobs.of_output(first.engine_id) is None
     assert t.jobs.of_output(again.engine_id) is again
     assert t.ops(again) == [("events", ())]  # the rerun's restart event
+    assert json.loads(t.outbox.ops[-1].events[0])["type"] == "restart"
+
+
+def _taken_over(t: Table, done_ids: list[int]) -> Job:
+    job = t.claimed(max_tokens=8)
+    job.fence, job.attempt = Fence("w1/t9", 2), 2
+    text = "".join(chr(i) for i in done_ids)
+    job.takeover = Takeover(resume=ResumeState(token_ids=[done_ids], seed=5),
+                            texts={0: text}, ids={0: list(done_ids)}, first_token_at=12.5)
+    return job
+
+
+def test_a_taken_over_job_resumes_after_its_logs_tokens():
+    t = Table()
+    probe = t.claimed(max_tokens=8)
+    own = [ord(ch) for ch in expected_text(probe.prompt["prompt_token_ids"], 8)[:3]]
+    job = _taken_over(t, own)
+    assert t.jobs.start(job) and t.engine.resumed == [(job.engine_id, 3)]
+    (ev,) = [json.loads(op.events[0]) for op in t.outbox.ops if op.job is job]
+    assert ev["type"] == "resume" and ev["tokens"] == [3] and ev["attempt"] == 2
+    # the job holds what the log held: its result and usage count those tokens once
+    assert job.ids == {0: own} and job.generated == 3 and job.first_token_at == 12.5
+    assert job.recorded  # the log's first token already carries the model identity
+
+
+def test_a_resume_the_engine_refuses_restarts_and_says_why():
+    t = Table()
+    job = _taken_over(t, [ord("z")] * 3)  # not what this engine would have written
+    assert t.jobs.start(job) and t.engine.resumed == [] and job.generated == 0
+    (ev,) = [json.loads(op.events[0]) for op in t.outbox.ops if op.job is job]
+    assert ev["type"] == "restart" and "resume refused" in ev["reason"]
 
 
 @pytest.mark.parametrize("claim,end", [

@@ -215,8 +215,9 @@ class CachingFakeEngine(FakeEngine):
         self.queries = self.hits = 0
         self.ran: list[str] = []
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None):
-        super().add_request(request_id, prompt, params, priority, arrival_time)
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None,
+                    resume=None):
+        super().add_request(request_id, prompt, params, priority, arrival_time, resume)
         ids = prompt["prompt_token_ids"]
         self.queries += len(ids)
         self.hits += len(self.block_manager.find_cached_blocks(ids)) * self.block_size

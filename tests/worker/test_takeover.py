@@ -1,0 +1,89 @@
+"""workers/takeover.py: what a worker that takes a job over makes of the job's event log."""
+from __future__ import annotations
+
+from genpool.engine.identity import ModelIdentity
+from genpool.schemas import RestartEvent, ResultEvent, ResumeEvent, TokenEvent
+from genpool.workers.takeover import plan
+
+ME = ModelIdentity("m", "rev1", "float32", None, "tok1")
+
+
+def log(*events, first_seq: int = 1, ids_from: int = 1000):
+    """An XRANGE reply (what redis-py returns) for these events, numbered as the worker does."""
+    return [(f"{ids_from + k}-0", {b"event": ev.model_dump_json(exclude_none=True).encode(),
+                                   b"seq": str(first_seq + k).encode()})
+            for k, ev in enumerate(events)]
+
+
+def tok(index, text, ids, first=False, identity=ME, seed=7, logprobs=None):
+    extra = dict(model_identity=identity.to_dict(), seed=seed) if first else {}
+    return TokenEvent(index=index, text=text, token_ids=ids, logprobs=logprobs, **extra)
+
+
+def test_a_log_of_tokens_resumes_each_completion_after_its_own():
+    t = plan(log(tok(0, "ab", [1, 2], first=True), tok(1, "c", [3]), tok(0, "d", [4])), 2, ME)
+    assert not t.restart and t.resume.token_ids == [[1, 2, 4], [3]] and t.resume.seed == 7
+    assert t.texts == {0: "abd", 1: "c"} and t.tokens == [3, 1]
+    assert t.first_token_at == 1000.0 / 1000  # the first token entry's id, in seconds
+    assert t.resume.logprobs == [[None, None, None], [None]]
+
+
+def test_logprobs_come_back_aligned_with_their_tokens():
+    t = plan(log(tok(0, "ab", [1, 2], first=True, logprobs=[{"1": -0.5}, {"2": -1.0}])), 1, ME)
+    assert t.resume.logprobs == [[{1: -0.5}, {2: -1.0}]]
+
+
+def test_an_empty_log_is_a_plain_start():
+    t = plan([], 1, ME)
+    assert t.resume is None and not t.restart
+
+
+def test_only_the_attempt_after_the_last_restart_counts():
+    entries = log(tok(0, "xx", [9, 9], first=True), RestartEvent(reason="r", attempt=2),
+                  tok(0, "a", [1], first=True, seed=11))
+    t = plan(entries, 1, ME)
+    assert t.resume.token_ids == [[1]] and t.resume.seed == 11
+
+
+def test_a_resumed_attempts_tokens_add_to_the_earlier_ones():
+    entries = log(tok(0, "a", [1], first=True), ResumeEvent(attempt=2, tokens=[1]),
+                  tok(0, "b", [2]))
+    t = plan(entries, 1, ME)
+    assert t.resume.token_ids == [[1, 2]] and t.resume.seed == 7  # the first attempt's seed
+
+
+def test_a_log_with_a_hole_restarts_and_says_why():
+    entries = log(tok(0, "a", [1], first=True), tok(0, "b", [2]))
+    entries[1][1][b"seq"] = b"3"  # entry 2 is gone
+    t = plan(entries, 1, ME)
+    assert t.resume is None and "incomplete" in t.restart and "entry 2" in t.restart
+
+
+def test_a_trimmed_start_restarts():
+    t = plan(log(tok(0, "b", [2]), first_seq=5), 1, ME)
+    assert t.resume is None and "entry 1 is missing" in t.restart
+
+
+def test_another_model_identity_restarts_and_names_the_difference():
+    int8 = ModelIdentity("m", "rev1", "float32", "int8", "tok1")
+    t = plan(log(tok(0, "a", [1], first=True, identity=int8)), 1, ME)
+    assert t.resume is None and "quantization 'int8' != None" in t.restart
+
+
+def test_a_first_token_without_an_identity_restarts():
+    t = plan(log(TokenEvent(index=0, text="a", token_ids=[1])), 1, ME)
+    assert t.resume is None and "no model identity" in t.restart
+
+
+def test_completions_beyond_n_restart():
+    t = plan(log(tok(0, "a", [1], first=True), tok(2, "b", [2])), 2, ME)
+    assert t.resume is None and "beyond n=2" in t.restart
+
+
+def test_a_log_that_already_ended_is_not_resumed():
+    from genpool.schemas import Usage
+
+    entries = log(tok(0, "a", [1], first=True),
+                  ResultEvent(text="a", usage=Usage(), finish_reason="stop"))
+    t = plan(entries, 1, ME)
+    assert t.resume is None and "already ends" in t.restart

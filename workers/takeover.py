@@ -1,0 +1,125 @@
+"""Resume, not restart: what a worker that takes a job over reads from the job's event log.
+
+A job whose earlier attempt was lost (its worker died, stalled past its lease, or drained and
+handed it over) already has, in its event stream, every token that attempt published, fenced:
+once CLAIM_LUA gave this attempt the lease, no write of the earlier one can land any more, so the
+log read after the claim is final. `plan` turns it into a `Takeover`: the tokens of each
+completion as an engine `ResumeState` (the engine continues after them, engine/resume.py), the
+text and token ids the job already holds, and when its first token was written. Where a resume
+could not continue exactly, `plan` says why and the job restarts as before (a `restart` event
+with that reason): the log's start was trimmed or lost, its first token recorded no model
+identity (a worker from before resume) or another one than this engine's, n differs.
+
+The first token of every attempt records the engine's model identity and sampling seed
+(TokenEvent.model_identity, .seed), so the next taker can tell.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from genpool.engine.identity import ModelIdentity
+from genpool.engine.resume import ResumeState
+from genpool.schemas import RestartEvent, ResumeEvent, TokenEvent
+from genpool.schemas.events import parse_event
+from genpool.schemas.scripting import pipelined
+from genpool.workers.job import Job
+
+
+@dataclass
+class Takeover:
+    resume: Optional[ResumeState] = None  # None: start from the beginning
+    restart: str = ""  # why the job restarts ("" when it resumes, or nothing was published)
+    texts: dict[int, str] = field(default_factory=dict)
+    ids: dict[int, list[int]] = field(default_factory=dict)
+    first_token_at: Optional[float] = None  # when the log's first token was written
+
+    @property
+    def tokens(self) -> list[int]:
+        """Per completion, how many tokens the resume goes on after (the `resume` event)."""
+        return [len(t) for t in self.resume.token_ids] if self.resume else []
+
+
+@dataclass
+class _Log:
+    """The current attempt's part of a log: everything after its last `restart`."""
+    texts: dict[int, str] = field(default_factory=dict)
+    ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[Optional[dict[int, float]]]] = field(default_factory=dict)
+    first: Optional[TokenEvent] = None
+    first_at: Optional[float] = None
+
+    def add(self, ev: TokenEvent, at: float) -> None:
+        if self.first is None:
+            self.first, self.first_at = ev, at
+        i = ev.index
+        self.texts[i] = self.texts.get(i, "") + ev.text
+        self.ids.setdefault(i, []).extend(ev.token_ids)
+        lps = ev.logprobs or []
+        aligned = len(lps) == len(ev.token_ids)  # a map per token, else none of them is known
+        self.logprobs.setdefault(i, []).extend(
+            {int(k): v for k, v in d.items()} if aligned else None for d in
+            (lps if aligned else [None] * len(ev.token_ids)))
+
+
+def read_logs(r, keys, jobs: list[Job]) -> list[list]:
+    """Each job's whole event stream (one pipelined round trip; a stream holds at most the
+    events cap, ~16k entries)."""
+    return pipelined(r, jobs, lambda pipe, j: pipe.xrange(keys.events(j.job_id)))
+
+
+def plan(entries, n: int, identity: ModelIdentity) -> Takeover:
+    """What to do with a job taken over, from its event stream's entries (XRANGE's reply)."""
+    log, expected = _Log(), 1
+    for entry_id, fields in entries or []:
+        fields = {_s(k): v for k, v in fields.items()}
+        if _seq(fields) != expected:  # trimmed (the cap), or lost (a Redis that forgot)
+            return Takeover(restart=f"its event log is incomplete (entry {expected} is "
+                                    f"missing): rerun from the start")
+        expected += 1
+        ev = parse_event(fields["event"])
+        if isinstance(ev, RestartEvent):
+            log = _Log()
+        elif isinstance(ev, TokenEvent):
+            log.add(ev, _entry_time(entry_id))
+        elif not isinstance(ev, ResumeEvent):
+            return Takeover(restart=f"its log already ends ({ev.type})")
+    if log.first is None:
+        return Takeover()  # nothing published: a plain start, no reader to tell
+    why = _why_not(log, n, identity)
+    if why:
+        return Takeover(restart=f"{why}: rerun from the start")
+    token_ids = [log.ids.get(i, []) for i in range(n)]
+    return Takeover(
+        resume=ResumeState(token_ids=token_ids, seed=log.first.seed,
+                           logprobs=[log.logprobs.get(i, []) for i in range(n)]),
+        texts=dict(log.texts), ids={i: list(v) for i, v in log.ids.items()},
+        first_token_at=log.first_at)
+
+
+def _why_not(log: _Log, n: int, identity: ModelIdentity) -> str:
+    if any(i >= n or i < 0 for i in log.ids):
+        return f"its log holds completions beyond n={n}"
+    recorded = log.first.model_identity
+    if recorded is None:
+        return "its first token recorded no model identity"
+    try:
+        theirs = ModelIdentity.from_dict(recorded)
+    except (KeyError, TypeError) as e:
+        return f"its recorded model identity is unreadable ({e})"
+    return theirs.mismatch(identity) or ""
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _seq(fields: dict) -> Optional[int]:
+    try:
+        return int(fields.get("seq"))
+    except (TypeError, ValueError):
+        return None
+
+
+def _entry_time(entry_id) -> float:
+    return int(_s(entry_id).split("-", 1)[0]) / 1000.0
