@@ -39,23 +39,10 @@ class _CheckoutIsNotTopLevel(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _CheckoutIsNotTopLevel())
 
 
-def _tests_only_path() -> str:
-    """A directory holding only a `tests` link to this checkout's tests/: child processes get it
-    as PYTHONPATH (fake engines, helpers), never the checkout root with its product folders."""
-    import hashlib
-    import tempfile
-    d = Path(tempfile.gettempdir()) / f"genpool-tests-path-{os.getuid()}-{hashlib.sha1(bytes(ROOT)).hexdigest()[:10]}"
-    d.mkdir(exist_ok=True)
-    link = d / "tests"
-    if not link.is_symlink() or link.resolve() != ROOT / "tests":
-        tmp = d / f".tests-{os.getpid()}"
-        tmp.symlink_to(ROOT / "tests")
-        os.replace(tmp, link)  # atomic: concurrent sessions never see a missing link
-    return str(d)
-
+from tests.pool_helpers import tests_only_path  # noqa: E402  (after the finder)
 
 # Children see tests/ through this path; -P / PYTHONSAFEPATH keeps their working directory off sys.path.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_tests_only_path(), os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_only_path(), os.environ.get("PYTHONPATH")]))
 os.environ["PYTHONSAFEPATH"] = "1"
 
 from tests import hygiene  # noqa: E402  (after the finder: nothing may import a product name first)

@@ -19,6 +19,22 @@ from tests import hygiene
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def tests_only_path() -> str:
+    """A directory holding only a `tests` link to this checkout's tests/: child processes get it
+    as PYTHONPATH (fake engines, helpers), never the checkout root with its product folders
+    (which would shadow installed packages: Hugging Face's `kernels`, say)."""
+    import hashlib
+    import tempfile
+    d = Path(tempfile.gettempdir()) / f"genpool-tests-path-{os.getuid()}-{hashlib.sha1(bytes(ROOT)).hexdigest()[:10]}"
+    d.mkdir(exist_ok=True)
+    link = d / "tests"
+    if not link.is_symlink() or link.resolve() != ROOT / "tests":
+        tmp = d / f".tests-{os.getpid()}"
+        tmp.symlink_to(ROOT / "tests")
+        os.replace(tmp, link)  # atomic: concurrent sessions never see a missing link
+    return str(d)
+
+
 def new_prefix(tag: str = "t") -> str:
     return f"test-{hygiene.SESSION}-{tag}-{uuid.uuid4().hex[:8]}"
 

@@ -85,9 +85,10 @@ class Admitter:
     """The ownership check of a batch of jobs (one round trip), and what each answer means."""
 
     def __init__(self, r, keys, worker_name: str, max_deliveries: int, job_ttl_s: int,
-                 lease_ms: int):
+                 lease_ms: int, resume: bool = True):
         self.r, self.keys, self.name = r, keys, worker_name
         self.max_deliveries, self.job_ttl_s, self.lease_ms = max_deliveries, job_ttl_s, lease_ms
+        self.resume = resume  # off: a job taken over restarts (WorkerConfig.resume)
 
     def claim(self, jobs: list[Job]) -> None:
         """CLAIM_LUA for every job with an id (and a lease on each that writes); sets each job's
@@ -121,13 +122,16 @@ class Admitter:
 
     def take_over(self, jobs: list[Job], identity) -> None:
         """For every job an earlier attempt ran (attempt > 1, ours to run), read its event log
-        and plan the resume (workers/takeover.py): one round trip. Raises on a lost connection."""
+        and plan the resume (workers/takeover.py): one round trip. Raises on a lost connection.
+        With `resume` off, a job that could resume restarts instead (and says so)."""
         todo = [j for j in jobs if j.claim is Claim.RUN and j.attempt > 1]
         for j, entries in zip(todo, read_logs(self.r, self.keys, todo)):
             if isinstance(entries, Exception):  # e.g. a client clobbered the stream's key
                 j.takeover = Takeover(restart=f"its event log cannot be read ({entries})")
             else:
                 j.takeover = plan(entries, j.req.n, identity)
+                if j.takeover.resume is not None and not self.resume:
+                    j.takeover = Takeover(restart="resume is off on this worker (--no-resume)")
 
     @staticmethod
     def settle(j: Job) -> Optional[Outcome]:

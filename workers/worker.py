@@ -80,7 +80,7 @@ class Worker:
                                  self._stop_event, self._refresh_lanes, self._give_up,
                                  lambda: self.stopping)
         self.admission = Admission(engine, cfg.served_models, Admitter(
-            r, keys, self.name, cfg.max_deliveries, cfg.job_ttl_s, cfg.claim_idle_ms),
+            r, keys, self.name, cfg.max_deliveries, cfg.job_ttl_s, cfg.claim_idle_ms, cfg.resume),
             self.jobs, self.keeper, self.router, self.observers, self.recovery.writes_refused)
         self.control = ControlReader(keys)
         self.next_upkeep, self.reclaim_owed = 0.0, False  # see upkeep

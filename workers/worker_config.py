@@ -28,6 +28,9 @@ class WorkerConfig:
     max_deliveries: int = field(default=3, metadata=_opt("dead-letter a job delivered more often than this"))
     drain_timeout_s: float = field(default=30.0, metadata=_opt(
         "seconds to finish in-flight jobs after SIGTERM", aliases=("--drain-timeout",)))
+    resume: bool = field(default=True, metadata=_opt(
+        "resume a job taken over from a lost or drained worker after the tokens it published "
+        "(off: rerun it from the start, its `restart` event saying so)"))
     idle_block_ms: int = field(default=200, metadata=_opt("XREADGROUP BLOCK while the engine has nothing to do"))
     high_burst: int = field(default=4, metadata=_opt(
         "interactive jobs admitted beyond capacity (the engine preempts for them)"))
