@@ -67,6 +67,14 @@ MAX_OPEN, MAX_OPEN_PER_CLIENT = 512, 32
 IDLE_TIMEOUT_S = 5.0  # a request body that goes quiet this long gets 408 (gateway_http.py: same)
 
 
+def _served_name(live: list) -> Optional[str]:
+    """The primary model name a model-less request is served under, when the live workers
+    agree on one (the usual one-model pool); None otherwise (responses then say "genpool")."""
+    names = {w.model_name for w in live}
+    name = names.pop() if len(names) == 1 else ""
+    return name if name and scrub_paths(name) == name else None  # never a filesystem path
+
+
 # Why a stream ends early: the job's text changed under text already sent (producer/replay.py)
 _TAKEN_BACK = {
     "restart": "the job was rerun after a worker failure and its new output differs from what "
@@ -159,13 +167,15 @@ class Gateway:
         return [{**m, "aliases": sorted(m["aliases"] - by_id.keys())}
                 for _, m in sorted(by_id.items())]
 
-    async def require_workers(self, model: Optional[str]) -> None:
-        """503 `no_workers` when no live worker serves `model` within the grace (workers can be
-        starting); an operator who wants jobs queued for later sets queue_without_workers."""
+    async def require_workers(self, model: Optional[str]) -> list:
+        """The live workers that serve `model`; 503 `no_workers` when none does within the grace
+        (workers can be starting); an operator who wants jobs queued for later sets
+        queue_without_workers (then: [])."""
         if self.queue_without_workers:
-            return
+            return []
         deadline = time.monotonic() + self.no_worker_grace_s
-        while not serving(live := await live_workers_async(self.client.redis, self.keys), model):
+        while not (found := serving(live := await live_workers_async(self.client.redis, self.keys),
+                                    model)):
             others = sorted({n for w in serving(live, None) for n in served_names(w)})
             if model and others:  # the pool is up, it just does not have this model
                 raise APIError(404, f"The model '{model}' does not exist; this pool serves "
@@ -178,6 +188,7 @@ class Gateway:
                                     f"queue jobs until one comes", "server_error",
                                code="no_workers")
             await asyncio.sleep(min(0.25, self.no_worker_grace_s))
+        return found
 
     async def complete(self, request: Request, kind: str) -> Response:
         self.authorize(request)
@@ -204,7 +215,9 @@ class Gateway:
                 raise APIError(429, f"the queue holds {depth} waiting jobs (limit "
                                     f"{self.max_queue_depth}); retry later",
                                type_="rate_limit_exceeded", code="queue_full")
-        await self.require_workers(req.kwargs.get("model"))
+        live = await self.require_workers(req.kwargs.get("model"))
+        if not req.kwargs.get("model"):  # answer with the name of the model that serves it
+            req.model = _served_name(live) or req.model
         job = await self.client.submit(**req.kwargs)
         try:
             if req.stream:

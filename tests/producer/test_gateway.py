@@ -73,6 +73,19 @@ def test_models_lists_the_served_name(pool):
     assert pool["client"].models.retrieve("tiny").owned_by == "genpool"
 
 
+def test_a_request_without_model_is_answered_with_the_served_name(pool):
+    """OpenAI echoes the model; a model-less request goes to the pool's one model, so the
+    answer names it (it said "genpool"), streamed or not."""
+    body = {"messages": CHAT, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{pool['base']}/v1/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+    with httpx.stream("POST", f"{pool['base']}/v1/chat/completions", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as r:
+        first = json.loads(next(r.iter_lines()).removeprefix("data: "))
+    assert first["model"] == "tiny"
+
+
 def test_chat_streamed_equals_non_streamed(pool):
     c = pool["client"]
     kw = dict(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
