@@ -24,8 +24,11 @@ Every answer then goes through deterministic filters (clean()), sentence by sent
   mostly of words the source does not use, or whose word trigrams are mostly new, is dropped (the model's inventions: "a 92-year-old
   man named John", "the ship was a small, three-storied cottage with a single sail");
 - list markers go; a sentence that repeats an earlier one is dropped; the overview keeps one sentence per document.
-When nothing is left, the answer falls back to the source's own opening sentences (counted as
-`fallbacks` in the stats), so no summary is empty or only a title.
+When nothing is left, the request is asked again for RETRY_N sampled answers (seeded, so a run
+is reproducible) and the one that keeps the most sentences wins (`retried` in the stats). Only
+when none survives does the answer fall back to the source's own opening sentences: each such
+answer is named on stderr and in the stats (`fell_back`), and marked in the output, never passed
+off as a summary.
 
 Every prompt opens with the same system message, which holds all the instructions; only the
 material to summarize comes last. The worker's prefix cache then computes the KV blocks of that
@@ -57,6 +60,9 @@ TASKS = {
 # repetition_penalty: it also penalizes tokens of the prompt, which pushes a summary away from
 # the document's own names and numbers.
 SAMPLING = {"temperature": 0.0, "frequency_penalty": 0.3}
+# An answer the filters emptied is asked again: RETRY_N samples in one job (n), seeded.
+RETRY_N = 6
+RETRY = {"n": RETRY_N, "temperature": 0.7, "top_p": 0.9, "seed": 7}
 MAX_TOKENS = {"chunk": 96, "document": 144, "folder": 64}
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
 LEADS = re.compile(r"^(?:(?:here is |here's )?(?:a |the )?summary(?: of [^:\n]*)?(?: is)?:|"
@@ -226,32 +232,55 @@ def messages(task: str, material: str) -> dict:
 
 
 def run_stage(client: Client, name: str, items: list[dict], concurrency: int,
-              stats: dict) -> list:
+              stats: dict, extra: dict | None = None) -> list:
     t0 = time.monotonic()
-    results = map_prompts(client, items, concurrency=concurrency, **SAMPLING)
+    results = map_prompts(client, items, concurrency=concurrency, **{**SAMPLING, **(extra or {})})
     failed = [r for r in results if not r.ok]
     if failed:
         raise SystemExit(f"{name}: {len(failed)} jobs failed, first: {failed[0].error}")
-    stats[name] = {"jobs": len(items), "seconds": round(time.monotonic() - t0, 2),
-                   "prompt_tokens": sum(r.usage.prompt_tokens for r in results),
-                   "completion_tokens": sum(r.usage.completion_tokens for r in results),
-                   "fallbacks": 0}
-    print(f"[{name}] {len(items)} jobs in {stats[name]['seconds']} s", file=sys.stderr)
+    st = stats.setdefault(name, {"jobs": 0, "seconds": 0.0, "prompt_tokens": 0,
+                                 "completion_tokens": 0, "retried": 0, "fallbacks": 0,
+                                 "fell_back": []})
+    st["jobs"] += len(items)
+    st["seconds"] = round(st["seconds"] + time.monotonic() - t0, 2)
+    st["prompt_tokens"] += sum(r.usage.prompt_tokens for r in results)
+    st["completion_tokens"] += sum(r.usage.completion_tokens for r in results)
+    print(f"[{name}] {len(items)} jobs in {round(time.monotonic() - t0, 2)} s", file=sys.stderr)
     return results
 
 
+def answers(r) -> list[tuple[str, str | None]]:
+    """(text, finish_reason) of every completion of a result (n > 1: its choices)."""
+    return [(c.text, c.finish_reason) for c in r.choices] if r.choices else [(r.text,
+                                                                            r.finish_reason)]
+
+
 def cleaned(results: list, sources: list[str], titles: list[list[str]], fallbacks: list[str],
-            stage: dict, keep: int | None = None) -> list[str]:
-    """clean() each answer against its source; an answer with nothing left is replaced by its
-    fallback (the source's own sentences) and counted."""
-    out = []
-    for r, src, ts, fb in zip(results, sources, titles, fallbacks):
-        text = clean(tidy(r.text, r.finish_reason), src, ts, keep)
-        if not text:
-            stage["fallbacks"] += 1
-            text = fb
-        out.append(text)
-    return out
+            stage: dict, keep: int | None = None, labels: list[str] | None = None,
+            retry=None) -> tuple[list[str], list[bool]]:
+    """clean() each answer against its source; of several (a retry's n), the one that keeps the
+    most sentences. An answer with nothing left is asked again through `retry(indices)` (its
+    results, n answers each) when given; what is still empty is replaced by its fallback (the
+    source's own sentences), counted, and named. Returns the texts and which fell back."""
+    def best(r, i):
+        texts = [clean(tidy(t, f), sources[i], titles[i], keep) for t, f in answers(r)]
+        return max(texts, key=lambda t: len(sentences(t)) if t else 0)
+
+    out = [best(r, i) for i, r in enumerate(results)]
+    empty = [i for i, t in enumerate(out) if not t]
+    if empty and retry is not None:
+        stage["retried"] += len(empty)
+        for i, r in zip(empty, retry(empty)):
+            out[i] = best(r, i)
+    fell = [not t for t in out]
+    for i in (i for i, f in enumerate(fell) if f):
+        stage["fallbacks"] += 1
+        name = labels[i] if labels else str(i)
+        stage.setdefault("fell_back", []).append(name)
+        print(f"  {name}: no usable summary (every answer was filtered out); using the "
+              f"source's opening sentences instead", file=sys.stderr)
+        out[i] = fallbacks[i]
+    return out, fell
 
 
 def summarize(client: Client, docs: dict[str, str], chunk_chars: int, concurrency: int) -> dict:
@@ -259,28 +288,40 @@ def summarize(client: Client, docs: dict[str, str], chunk_chars: int, concurrenc
     chunks = {name: chunk_text(text, chunk_chars) for name, text in docs.items()}
     flat = [(name, i, c) for name, cs in chunks.items() for i, c in enumerate(cs)]
     ts = {name: titles_of(name, text) for name, text in docs.items()}
-    res = run_stage(client, "map", [messages("chunk", c) for _, _, c in flat], concurrency, stats)
-    part_sums = cleaned(res, [c for _, _, c in flat], [ts[n] for n, _, _ in flat],
-                        [lead(c, 2, ts[n]) for n, _, c in flat], stats["map"], keep=2)
+
+    def stage(name, items, sources, titles, fallbacks, keep, labels):
+        def again(idx):  # the emptied ones, sampled RETRY_N times each
+            return run_stage(client, name, [items[i] for i in idx], concurrency, stats, RETRY)
+        res = run_stage(client, name, items, concurrency, stats)
+        return cleaned(res, sources, titles, fallbacks, stats[name], keep, labels, again)
+
+    part_sums, part_fell = stage("map", [messages("chunk", c) for _, _, c in flat],
+                                 [c for _, _, c in flat], [ts[n] for n, _, _ in flat],
+                                 [lead(c, 2, ts[n]) for n, _, c in flat], 2,
+                                 [f"{n} part {i + 1}" for n, i, _ in flat])
     by_doc: dict[str, list[str]] = {name: [] for name in docs}
-    for (name, _, _), s in zip(flat, part_sums):
+    fell_parts: dict[str, list[int]] = {name: [] for name in docs}
+    for (name, i, _), s, f in zip(flat, part_sums, part_fell):
         by_doc[name].append(s)
+        if f:
+            fell_parts[name].append(i + 1)
     # plain consecutive paragraphs: "Part 1:" labels were copied into the summaries. The reduce
     # answer is checked against the whole document (its facts must be the document's).
     names = list(docs)
-    res = run_stage(client, "reduce", [messages("document", "\n\n".join(by_doc[n])) for n in names],
-                    concurrency, stats)
-    doc_sums = cleaned(res, [docs[n] for n in names], [ts[n] for n in names],
-                       [" ".join(by_doc[n][:2]) for n in names], stats["reduce"], keep=4)
-    res = run_stage(client, "overview", [messages("folder", s) for s in doc_sums], concurrency,
-                    stats)
-    lines = cleaned(res, [docs[n] for n in names], [ts[n] for n in names],
-                    [sentences(s)[0] for s in doc_sums], stats["overview"], keep=1)
+    doc_sums, doc_fell = stage("reduce", [messages("document", "\n\n".join(by_doc[n])) for n in names],
+                               [docs[n] for n in names], [ts[n] for n in names],
+                               [" ".join(by_doc[n][:2]) for n in names], 4, names)
+    lines, line_fell = stage("overview", [messages("folder", s) for s in doc_sums],
+                             [docs[n] for n in names], [ts[n] for n in names],
+                             [sentences(s)[0] for s in doc_sums], 1, names)
     overview = " ".join(f"{title_of(n, docs[n])}: {line}" for n, line in zip(names, lines))
     return {"overview": overview,
             "documents": [{"name": n, "chars": len(docs[n]), "chunks": len(chunks[n]),
-                           "summary": s, "chunk_summaries": by_doc[n]}
-                          for n, s in zip(names, doc_sums)],
+                           "summary": s, "summary_is_source_opening": df,
+                           "overview_line_is_source_opening": lf,
+                           "chunk_summaries": by_doc[n],
+                           "chunks_with_source_opening": fell_parts[n]}
+                          for n, s, df, lf in zip(names, doc_sums, doc_fell, line_fell)],
             "stats": stats, "shared_prefix_chars": len(SYSTEM)}
 
 

@@ -19,7 +19,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from genpool.schemas import Keys
+from genpool.schemas import Keys, TokenEvent
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.connection import connect_async, lane_depths, queue_lane_depths, redact_text
 from genpool.schemas.keys import check_memory_policy
@@ -247,6 +247,7 @@ class Gateway:
     async def sse(self, request: Request, job: AsyncJob, req: OpenAIRequest,
                   events: AsyncIterator) -> AsyncIterator[str]:
         created, finished = int(time.time()), False
+        offsets: dict[int, int] = {}  # per choice: where the next token's text starts
         try:
             if req.kind == "chat":  # OpenAI opens every choice with the assistant role
                 for i in range(req.kwargs.get("n", 1)):
@@ -257,8 +258,16 @@ class Gateway:
                     yield sse(APIError(500, _TAKEN_BACK[ev.type], "server_error",
                                        code="restarted").body())
                     return
-                if ev.text:
-                    yield sse(chunk_body(req, job.id, created, ev.index, text=ev.text))
+                with_lps = (req.top_logprobs is not None and isinstance(ev, TokenEvent)
+                            and bool(ev.token_ids))
+                if ev.text or with_lps:  # a token whose text is held back still has logprobs
+                    yield sse(chunk_body(req, job.id, created, ev.index, text=ev.text,
+                                         token=ev if with_lps else None,
+                                         offset=offsets.get(ev.index, 0)))
+                    if with_lps:
+                        texts = ev.token_texts or {}
+                        offsets[ev.index] = offsets.get(ev.index, 0) + sum(
+                            len(texts.get(str(t), "")) for t in ev.token_ids)
             res = await job.result(raise_on_error=False)
             finished = True
             chunks = ([error_from_event(res.error).body()] if res.error is not None

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from genpool.schemas import Choice, ErrorEvent, JobResult, Usage
 
+from . import openai_logprobs
 from .protocol import build_request
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -28,12 +29,14 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "p
           "priority",
           # structured output: OpenAI's response_format, vLLM's structured_outputs (extra_body)
           "response_format", "structured_outputs"}
-ONLY = {"chat": {"messages", "max_completion_tokens"}, "completion": {"prompt"}}
+ONLY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+        "completion": {"prompt", "logprobs"}}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5; genpool allows 20 for both)
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 # Features accepted only at their "off" value: a caller relying on them must hear "no", not get
 # a silently different answer.
 OFF_VALUES: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "suffix": (None,),
+    "echo": (None, False), "suffix": (None,),
     "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"),
     "modalities": (None, ["text"]),
@@ -85,6 +88,7 @@ class OpenAIRequest:
     model: str  # echoed back in responses
     stream: bool = False
     include_usage: bool = False
+    top_logprobs: Optional[int] = None  # logprobs asked: alternatives per token (None: not asked)
 
 
 def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Optional[str] = None,
@@ -101,6 +105,9 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
             kw["max_tokens"] = body["max_completion_tokens"]
     else:
         kw["prompt"] = _prompt(body.get("prompt"))
+    top = _logprobs(kind, body)
+    if top is not None:
+        kw["logprobs"] = top
     kw.setdefault("max_tokens", DEFAULT_MAX_TOKENS[kind])
     kw.setdefault("priority", priority)
     if default_model and "model" not in kw:
@@ -115,7 +122,27 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}",
                        param="stream_options")
     return OpenAIRequest(kind, kw, str(kw.get("model") or "genpool"), bool(stream),
-                         bool((opts or {}).get("include_usage")))
+                         bool((opts or {}).get("include_usage")), top)
+
+
+def _logprobs(kind: str, body: dict) -> Optional[int]:
+    """How many alternatives per token the request asks logprobs for (None: no logprobs).
+    Chat: `logprobs: true` and `top_logprobs` 0-20; completions: `logprobs` 0-20."""
+    def count(name: str, v: Any) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                                f"{v!r}", param=name, code="invalid_value")
+        return v
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "completion":
+        return None if lp is None else count("logprobs", lp)
+    if lp is not None and not isinstance(lp, bool):
+        raise APIError(400, f"logprobs must be a boolean, got {lp!r}", param="logprobs",
+                       code="invalid_value")
+    if top is not None and not lp:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                       code="invalid_value")
+    return count("top_logprobs", top or 0) if lp else None
 
 
 def _check_keys(kind: str, body: dict) -> None:
@@ -197,33 +224,41 @@ def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] =
     choices = res.choices or [_single(res)]
     body = {"id": response_id(req.kind, res.id), "created": created or int(time.time()),
             "model": req.model, "system_fingerprint": None, "usage": usage_body(res.usage)}
+    def lps(c: Choice):
+        return openai_logprobs.body(req.kind, req.top_logprobs, c.token_ids, c.logprobs,
+                                    c.token_texts)
     if req.kind == "chat":
         body["object"] = "chat.completion"
-        body["choices"] = [{"index": c.index, "logprobs": None,
+        body["choices"] = [{"index": c.index, "logprobs": lps(c),
                             "finish_reason": _finish(c.finish_reason),
                             "message": {"role": "assistant", "content": c.text}} for c in choices]
     else:
         body["object"] = "text_completion"
-        body["choices"] = [{"index": c.index, "text": c.text, "logprobs": None,
+        body["choices"] = [{"index": c.index, "text": c.text, "logprobs": lps(c),
                             "finish_reason": _finish(c.finish_reason)} for c in choices]
     return body
 
 
 def _single(res: JobResult) -> Choice:
-    return Choice(index=0, text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason)
+    return Choice(index=0, text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason,
+                  logprobs=res.logprobs, token_texts=res.token_texts)
 
 
 def chunk_body(req: OpenAIRequest, job_id: str, created: int, index: int, *, text: str = "",
-               role: bool = False, finish_reason: Optional[str] = None) -> dict:
-    """One streaming chunk in OpenAI's shape (`delta` for chat, `text` for completions)."""
+               role: bool = False, finish_reason: Optional[str] = None,
+               token: Optional[Any] = None, offset: int = 0) -> dict:
+    """One streaming chunk in OpenAI's shape (`delta` for chat, `text` for completions); `token`,
+    a TokenEvent, gives its logprobs (`offset`: where its text starts in the completion)."""
+    lps = None if token is None else openai_logprobs.body(
+        req.kind, req.top_logprobs, token.token_ids, token.logprobs, token.token_texts, offset)
     if req.kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": response_id(req.kind, job_id), "object": obj, "created": created,
             "model": req.model, "system_fingerprint": None, "choices": [choice]}

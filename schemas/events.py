@@ -31,8 +31,14 @@ class TokenEvent(_Wire):
     index: int = 0  # which of the n completions
     text: str = ""  # the new piece of text (a delta)
     token_ids: list[int] = Field(default_factory=list)
-    # One {token_id: logprob} map per new token, when the request asked for logprobs.
+    # One {token_id: logprob} map per new token, when the request asked for logprobs: the top
+    # `logprobs` ids and the sampled one, from the model's raw distribution (log-softmax of the
+    # logits before penalties, temperature, top-p or logit bias).
     logprobs: Optional[list[dict[str, float]]] = None
+    # With logprobs: each id in them decoded alone, so readers without the tokenizer (the
+    # gateway's OpenAI logprobs) can name the tokens. A token that is part of a multi-byte
+    # character decodes to U+FFFD.
+    token_texts: Optional[dict[str, str]] = None
     # On an attempt's first token only: what a worker that takes the job over needs to continue
     # it exactly (workers/takeover.py): the engine's model identity and the sampling seed.
     model_identity: Optional[dict] = None
@@ -91,6 +97,8 @@ class Choice(BaseModel):
     text: str
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
+    logprobs: Optional[list[dict[str, float]]] = None  # as TokenEvent's, one map per token
+    token_texts: Optional[dict[str, str]] = None  # as TokenEvent's
 
 
 class ResultEvent(_Wire):
@@ -103,6 +111,8 @@ class ResultEvent(_Wire):
     timings: Timings = Field(default_factory=Timings)
     choices: Optional[list[Choice]] = None  # all n completions when n > 1
     worker: Optional[str] = None
+    logprobs: Optional[list[dict[str, float]]] = None  # completion 0's, when asked (as Choice)
+    token_texts: Optional[dict[str, str]] = None
 
 
 class ErrorEvent(_Wire):
@@ -145,6 +155,8 @@ class JobResult(BaseModel):
     timings: Timings = Field(default_factory=Timings)
     choices: Optional[list[Choice]] = None
     worker: Optional[str] = None
+    logprobs: Optional[list[dict[str, float]]] = None
+    token_texts: Optional[dict[str, str]] = None
     error: Optional[ErrorEvent] = None
 
     @property

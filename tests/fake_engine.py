@@ -19,6 +19,9 @@ class FakeTokenizer:
         ids = [ord(c) % 1000 for c in text]
         return {"input_ids": ([1] if add_special_tokens else []) + ids}
 
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
 
 def expected_text(prompt_ids: list[int], max_tokens: int) -> str:
     base = sum(prompt_ids)

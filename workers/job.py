@@ -167,6 +167,9 @@ class Job:
     texts: dict[int, str] = field(default_factory=dict)
     ids: dict[int, list[int]] = field(default_factory=dict)
     finish: dict[int, Optional[str]] = field(default_factory=dict)
+    # with logprobs: per completion one {id: logprob} map per token, and every id's text
+    logprobs: dict[int, list[dict[str, float]]] = field(default_factory=dict)
+    token_texts: dict[str, str] = field(default_factory=dict)
     first_token_at: Optional[float] = None
     ttft_steps: Optional[int] = None  # engine steps that ended between arrival and first token
     recorded: bool = False  # the model identity and seed went out with a first token
@@ -189,6 +192,8 @@ class Job:
         result carries the whole text, usage counts every token once, ttft is the log's."""
         self.texts = dict(t.texts)
         self.ids = {i: list(v) for i, v in t.ids.items()}
+        self.logprobs = {i: list(v) for i, v in t.logprobs.items()}
+        self.token_texts = dict(t.token_texts)
         self.first_token_at, self.recorded = t.first_token_at, True
 
     @property
@@ -209,7 +214,17 @@ class Job:
         lps = None
         if logprobs:
             lps = [{str(k): float(v) for k, v in d.items()} for d in logprobs if d is not None]
+            self.logprobs.setdefault(index, []).extend(lps)
         return TokenEvent(index=index, text=text, token_ids=list(token_ids), logprobs=lps)
+
+    def _logprobs_of(self, i: int) -> dict:
+        """Completion i's logprobs for its result: one map per token, with the texts of their
+        ids; none when some are unknown (a resumed log that lacked them)."""
+        lps = self.logprobs.get(i)
+        if self.req.logprobs is None or lps is None or len(lps) != len(self.ids.get(i, [])):
+            return {}
+        ids = {k for d in lps for k in d}
+        return {"logprobs": lps, "token_texts": {k: self.token_texts.get(k, "") for k in ids}}
 
     def replay_events(self) -> list[TokenEvent]:
         """Everything generated so far as one token event per completion (after a restart)."""
@@ -224,9 +239,11 @@ class Job:
         choices = None
         if self.req.n > 1:
             choices = [Choice(index=i, text=self.texts.get(i, ""), token_ids=self.ids.get(i, []),
-                              finish_reason=self.finish.get(i)) for i in range(self.req.n)]
+                              finish_reason=self.finish.get(i), **self._logprobs_of(i))
+                       for i in range(self.req.n)]
         return ResultEvent(text=self.texts.get(0, ""), token_ids=list(self.ids.get(0, [])),
                            finish_reason=self.finish.get(0), worker=worker, choices=choices,
+                           **self._logprobs_of(0),
                            usage=Usage(prompt_tokens=self.prompt_tokens,
                                        completion_tokens=self.generated),
                            timings=timings)

@@ -26,6 +26,7 @@ from genpool.workers.streams import refused
 
 log = logging.getLogger("genpool.worker")
 COUNTED = {End.DONE: "done", End.FAILED: "failed", End.LOST: "lost"}  # for jobs that ran
+TOKEN_TEXT_CACHE = 65536  # token texts a worker keeps (the vocabulary of most models fits)
 
 
 class JobTable:
@@ -41,6 +42,20 @@ class JobTable:
         # by a worker that takes the job over (workers/takeover.py)
         self.identity = engine.model_identity()
         self.identity_doc = self.identity.to_dict()
+        self._texts: dict[str, str] = {}  # token id -> its text (token_texts)
+
+    def token_texts(self, logprobs: list[dict[str, float]]) -> dict[str, str]:
+        """Each id in these logprob maps decoded alone (cached: the same few thousand ids come
+        back), for readers without the tokenizer."""
+        out = {}
+        for k in {k for d in logprobs for k in d}:
+            text = self._texts.get(k)
+            if text is None:
+                text = self.engine.tokenizer.decode([int(k)])
+                if len(self._texts) < TOKEN_TEXT_CACHE:
+                    self._texts[k] = text
+            out[k] = text
+        return out
 
     def __len__(self) -> int:
         return len(self.running)

@@ -33,6 +33,8 @@ class Takeover:
     texts: dict[int, str] = field(default_factory=dict)
     ids: dict[int, list[int]] = field(default_factory=dict)
     first_token_at: Optional[float] = None  # when the log's first token was written
+    logprobs: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # as published
+    token_texts: dict[str, str] = field(default_factory=dict)
 
     @property
     def tokens(self) -> list[int]:
@@ -48,6 +50,8 @@ class _Log:
     logprobs: dict[int, list[Optional[dict[int, float]]]] = field(default_factory=dict)
     first: Optional[TokenEvent] = None
     first_at: Optional[float] = None
+    published: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # logprob maps
+    token_texts: dict[str, str] = field(default_factory=dict)
 
     def add(self, ev: TokenEvent, at: float) -> None:
         if self.first is None:
@@ -57,6 +61,9 @@ class _Log:
         self.ids.setdefault(i, []).extend(ev.token_ids)
         lps = ev.logprobs or []
         aligned = len(lps) == len(ev.token_ids)  # a map per token, else none of them is known
+        if aligned:
+            self.published.setdefault(i, []).extend(lps)
+            self.token_texts.update(ev.token_texts or {})
         self.logprobs.setdefault(i, []).extend(
             {int(k): v for k, v in d.items()} if aligned else None for d in
             (lps if aligned else [None] * len(ev.token_ids)))
@@ -94,7 +101,7 @@ def plan(entries, n: int, identity: ModelIdentity) -> Takeover:
         resume=ResumeState(token_ids=token_ids, seed=log.first.seed,
                            logprobs=[log.logprobs.get(i, []) for i in range(n)]),
         texts=dict(log.texts), ids={i: list(v) for i, v in log.ids.items()},
-        first_token_at=log.first_at)
+        first_token_at=log.first_at, logprobs=log.published, token_texts=log.token_texts)
 
 
 def _why_not(log: _Log, n: int, identity: ModelIdentity) -> str:

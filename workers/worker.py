@@ -257,6 +257,9 @@ class Worker:
         for c in out.outputs:
             ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
             if ev is not None:
+                if ev.logprobs:  # their tokens' texts, for readers without the tokenizer
+                    ev.token_texts = self.jobs.token_texts(ev.logprobs)
+                    job.token_texts.update(ev.token_texts)
                 if not job.recorded:  # what a worker that takes the job over must know
                     ev.model_identity, ev.seed, job.recorded = self.jobs.identity_doc, out.seed, True
                 if job.ttft_steps is None and not job.resumed:  # engine steps since arrival

@@ -86,6 +86,64 @@ def test_a_request_without_model_is_answered_with_the_served_name(pool):
     assert first["model"] == "tiny"
 
 
+def test_completion_logprobs_are_the_engines_raw_distribution(pool, tiny_llama_long_path):
+    """logprobs=3 through the official client equals the engine's own logprobs for the same
+    greedy request (log-softmax of the raw logits, before penalties and temperature), streamed
+    and not; a token's logprob is its own entry in top_logprobs when it is among the top."""
+    from genpool.engine import LLM, SamplingParams
+
+    c = pool["client"]
+    kw = dict(model="tiny", prompt="The harbor at dawn", max_tokens=6, temperature=0,
+              logprobs=3, extra_body={"ignore_eos": True, "frequency_penalty": 1.5})
+    whole = c.completions.create(**kw)
+    lp = whole.choices[0].logprobs
+    with LLM(str(tiny_llama_long_path), num_threads=1) as llm:
+        ref = llm.generate(["The harbor at dawn"], SamplingParams(
+            temperature=0, max_tokens=6, logprobs=3, ignore_eos=True,
+            frequency_penalty=1.5))[0].outputs[0]
+        tok = llm.llm_engine.tokenizer
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for t, got, top, d in zip(ref.token_ids, lp.token_logprobs, lp.top_logprobs, ref.logprobs):
+        assert got == pytest.approx(d[t], abs=1e-4)
+        want = sorted(((v, k) for k, v in d.items()), reverse=True)[:3]
+        assert sorted(top.values(), reverse=True) == pytest.approx([v for v, _ in want], abs=1e-4)
+        assert set(top) == {tok.decode([k]) for _, k in want}
+    assert lp.tokens == [tok.decode([t]) for t in ref.token_ids]
+    assert "".join(lp.tokens) == whole.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    chunks = list(c.completions.create(**kw, stream=True))
+    streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs
+                                             if ch.choices and ch.choices[0].logprobs else [])]
+    assert streamed == lp.token_logprobs
+    offsets = [x for ch in chunks for x in (ch.choices[0].logprobs.text_offset
+                                            if ch.choices and ch.choices[0].logprobs else [])]
+    assert offsets == lp.text_offset
+
+
+def test_chat_logprobs_streamed_equal_non_streamed(pool):
+    c = pool["client"]
+    kw = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+              top_logprobs=2, n=2, seed=3)
+    whole = c.chat.completions.create(**{**kw, "temperature": 0.9})
+    for ch in whole.choices:
+        content = ch.logprobs.content
+        assert content and "".join(e.token for e in content) == ch.message.content
+        for e in content:
+            assert e.logprob <= 0 and len(e.top_logprobs) == 2
+            assert e.bytes == list(e.token.encode()) and e.top_logprobs[0].logprob >= e.logprob
+            assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+    parts: dict[int, list] = {0: [], 1: []}
+    for chunk in c.chat.completions.create(**{**kw, "temperature": 0.9}, stream=True):
+        for ch in chunk.choices:
+            if ch.logprobs is not None:
+                parts[ch.index] += [(e.token, e.logprob) for e in ch.logprobs.content]
+    for ch in whole.choices:  # seeded: the same samples, the same logprobs
+        assert parts[ch.index] == [(e.token, e.logprob) for e in ch.logprobs.content]
+    plain = c.chat.completions.create(**{k: v for k, v in kw.items()
+                                         if k not in ("logprobs", "top_logprobs")})
+    assert all(ch.logprobs is None for ch in plain.choices)
+
+
 def test_chat_streamed_equals_non_streamed(pool):
     c = pool["client"]
     kw = dict(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
@@ -149,7 +207,10 @@ def test_api_key_required(pool):
     ({"model": "tiny", "messages": CHAT, "temperature": "hot"}, "temperature"),
     ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
     ({"model": "tiny", "messages": CHAT, "frobnicate": 1}, "frobnicate"),
-    ({"model": "tiny", "messages": CHAT, "logprobs": True}, "logprobs"),
+    ({"model": "tiny", "messages": CHAT, "logprobs": "yes"}, "logprobs"),
+    ({"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
+    ({"model": "tiny", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "tiny", "messages": CHAT, "echo": True}, "echo"),
     ({"model": "tiny", "messages": []}, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ("{not json", None),

@@ -63,13 +63,35 @@ def test_a_title_alone_is_empty_and_repeats_are_dropped():
 
 def test_an_empty_answer_falls_back_to_the_source_opening():
     chunk = sf.chunk_text(DOCS[BEES], 1500)[0]
-    stage = {"fallbacks": 0}
-    out = sf.cleaned([SimpleNamespace(text="Bees in winter.", finish_reason="stop")], [chunk],
-                     [sf.titles_of(BEES, DOCS[BEES])], [sf.lead(chunk, 2, sf.titles_of(BEES, DOCS[BEES]))],
-                     stage)
-    assert stage["fallbacks"] == 1
+    stage = {"fallbacks": 0, "retried": 0}
+    out, fell = sf.cleaned([SimpleNamespace(text="Bees in winter.", finish_reason="stop",
+                                            choices=None)], [chunk],
+                           [sf.titles_of(BEES, DOCS[BEES])],
+                           [sf.lead(chunk, 2, sf.titles_of(BEES, DOCS[BEES]))], stage,
+                           labels=["bees part 1"])
+    assert stage["fallbacks"] == 1 and stage["fell_back"] == ["bees part 1"] and fell == [True]
     assert out[0].startswith("A colony of honey bees does not hibernate.")
     assert "Notes for the Beginner" not in out[0]
+
+
+def test_an_emptied_answer_is_asked_again_and_the_best_sample_wins():
+    chunk = sf.chunk_text(DOCS[BEES], 1500)[0]
+    ts = [sf.titles_of(BEES, DOCS[BEES])]
+    good = "A colony of honey bees does not hibernate."
+    samples = SimpleNamespace(text="", finish_reason="stop", choices=[
+        SimpleNamespace(text="Bees in winter.", finish_reason="stop"),
+        SimpleNamespace(text=good, finish_reason="stop")])
+    asked = []
+
+    def retry(idx):
+        asked.extend(idx)
+        return [samples]
+    stage = {"fallbacks": 0, "retried": 0}
+    out, fell = sf.cleaned([SimpleNamespace(text="Bees in winter.", finish_reason="stop",
+                                            choices=None)], [chunk], ts, ["FALLBACK"], stage,
+                           retry=retry)
+    assert asked == [0] and out == [good] and fell == [False]
+    assert stage == {"fallbacks": 0, "retried": 1}
 
 
 def test_a_cut_off_answer_ends_on_a_whole_sentence():

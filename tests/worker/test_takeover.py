@@ -29,8 +29,12 @@ def test_a_log_of_tokens_resumes_each_completion_after_its_own():
 
 
 def test_logprobs_come_back_aligned_with_their_tokens():
-    t = plan(log(tok(0, "ab", [1, 2], first=True, logprobs=[{"1": -0.5}, {"2": -1.0}])), 1, ME)
+    first = tok(0, "ab", [1, 2], first=True, logprobs=[{"1": -0.5}, {"2": -1.0}])
+    first.token_texts = {"1": "a", "2": "b"}
+    t = plan(log(first), 1, ME)
     assert t.resume.logprobs == [[{1: -0.5}, {2: -1.0}]]
+    # and as published, for the result the taker writes (with the tokens' texts)
+    assert t.logprobs == {0: [{"1": -0.5}, {"2": -1.0}]} and t.token_texts == {"1": "a", "2": "b"}
 
 
 def test_an_empty_log_is_a_plain_start():
