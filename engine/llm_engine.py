@@ -132,6 +132,9 @@ class LLMEngine:
         text, ids = self.encode_prompt(prompt)
         vocab, bm = self.runner.args.vocab_size, self.block_manager
         limits.check_prompt(ids, vocab, self.max_model_len, bm.num_blocks * bm.block_size)
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
+                             f"{max(params.logit_bias)}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got "
                              f"{max(params.stop_token_ids)}")

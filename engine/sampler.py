@@ -1,7 +1,8 @@
 """Turn one row of logits per sequence into the next token (vLLM's processing order).
 
-Per row: min_tokens masking -> repetition penalty -> presence/frequency penalties -> greedy argmax
-(temperature 0) or temperature -> top_k -> top_p -> min_p -> sample (engine/randomness.py).
+Per row: min_tokens masking -> repetition penalty -> presence/frequency penalties -> logit bias
+-> greedy argmax (temperature 0) or temperature -> top_k -> top_p -> min_p -> sample
+(engine/randomness.py).
 Logprobs (when asked) come from log_softmax of the RAW logits, before any of the above.
 
 A seeded row's draw is counter-based: one uniform from (seed, completion index, step), the step
@@ -49,7 +50,7 @@ def _rows(idx: list[int], logits: torch.Tensor) -> torch.Tensor:
 
 def _is_plain_greedy(row: SampleRow) -> bool:
     p = row.params
-    return (p.is_greedy and not p.has_penalties
+    return (p.is_greedy and not p.needs_processing
             and len(row.output_token_ids) >= p.min_tokens)
 
 
@@ -65,6 +66,14 @@ def apply_min_tokens(logits: torch.Tensor, row: SampleRow) -> None:
     banned = [t for t in banned if 0 <= t < logits.shape[-1]]
     if banned:
         logits[torch.tensor(banned, device=logits.device)] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> None:
+    """OpenAI's logit_bias: add each value to its token's logit (ids checked at add_request)."""
+    if bias:
+        idx = torch.tensor(list(bias), device=logits.device)
+        logits.index_add_(0, idx, torch.tensor(list(bias.values()), device=logits.device,
+                                               dtype=logits.dtype))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> None:
@@ -183,6 +192,7 @@ class Sampler:
                                  p.repetition_penalty)
         apply_presence_frequency(logits, row.output_token_ids,
                                  p.presence_penalty, p.frequency_penalty)
+        apply_logit_bias(logits, p.logit_bias)
         if p.is_greedy:
             tok = int(logits.argmax())
             if not -float("inf") < float(logits[tok]) < float("inf"):

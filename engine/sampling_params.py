@@ -24,6 +24,8 @@ MAX_N = 128
 MAX_STOP_LEN = 1024  # characters per stop string (checked against the text every token)
 MAX_STOP_STRINGS = 64
 MAX_SEED = 2**63  # exclusive; torch generators take 64-bit seeds
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI caps the value, not the count)
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 all but forces it
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 
@@ -62,6 +64,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # engine/structured_params.py
+    # {token id: added to its logit}, after the penalties and before temperature (OpenAI's)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -113,6 +117,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
         self.stop_token_ids = list(ids)
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
 
     def _check_ranges(self) -> None:
         if self.n < 1:
@@ -162,6 +167,12 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
+    def needs_processing(self) -> bool:
+        """Anything that changes the logits before the argmax (a greedy row with none of it
+        takes the batched argmax)."""
+        return self.has_penalties or bool(self.logit_bias)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
@@ -171,6 +182,7 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = dict(self.logit_bias) if self.logit_bias else None
         if self.structured_outputs is not None:
             out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
@@ -189,3 +201,28 @@ class SamplingParams:
         d = self.to_dict()
         d.update(changes)
         return SamplingParams.from_dict(d)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """{token id: bias} with int ids (JSON gives them as strings) and finite values in
+    [-100, 100]; None for none. The engine checks the ids against its vocabulary."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got "
+                         f"{type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        tid = k if _is_int(k) else int(k) if isinstance(k, str) and k.isascii() and k.isdigit() \
+            else None
+        if tid is None or tid < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got "
+                             f"{k!r}")
+        if not _is_num(v) or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} "
+                             f"for token {tid}")
+        out[tid] = float(v)
+    return out
+

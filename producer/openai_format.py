@@ -23,7 +23,7 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # OpenAI's completions default is 16 tokens; chat has no fixed default, and 16 cuts most answers.
 DEFAULT_MAX_TOKENS = {"chat": 256, "completion": 16}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
-          "frequency_penalty", "stream", "stream_options",
+          "frequency_penalty", "logit_bias", "stream", "stream_options",
           # vLLM-style extensions (the engine supports them; OpenAI clients send them via extra_body)
           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
           "priority",
@@ -37,7 +37,7 @@ IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 # a silently different answer.
 OFF_VALUES: dict[str, tuple] = {
     "echo": (None, False), "suffix": (None,),
-    "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+    "best_of": (None, 1), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none"), "function_call": (None, "none"),
     "modalities": (None, ["text"]),
 }

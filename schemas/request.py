@@ -26,6 +26,7 @@ MAX_STOP_LEN = 1024
 MAX_TOKEN_ID = 2**31  # exclusive; the engine checks stop_token_ids against its vocabulary
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 TokenId = Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
 
 # The most urgent priority a caller of a front door may ask for (lower runs sooner: keys.lane_for):
 # the gateway's default ceiling (its --priority) and the Celery task's. Only producers that hold
@@ -35,7 +36,7 @@ CALLER_PRIORITY_CEILING = -1
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-    "logprobs",
+    "logprobs", "logit_bias",
 )
 
 
@@ -85,11 +86,23 @@ class JobRequest(BaseModel):
     max_tokens: int = Field(default=16, ge=1, le=1_000_000)
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    # {token id (a JSON object's keys are strings): bias in [-100, 100]}, at most 1024 ids
+    logit_bias: Optional[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
+        default=None, max_length=1024)
     structured_outputs: Optional[StructuredOutputs] = None  # schemas/structured.py
 
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     deadline: Optional[float] = Field(default=None, gt=0)
     metadata: Optional[dict[str, Any]] = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v: Any) -> Any:
+        # JSON object keys are strings; a Python caller writes {token_id: bias}
+        if isinstance(v, dict):
+            return {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: val
+                    for k, val in v.items()}
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -75,6 +75,31 @@ def test_penalties_change_the_greedy_choice():
     assert s(x, [row(output=[0, 0], temperature=0, frequency_penalty=0.2)])[0] == [0]
 
 
+def test_logit_bias_moves_greedy_and_sampled_choices_but_not_logprobs():
+    x = torch.tensor([[2.0, 1.5, -1.0, 0.0]] * 3)
+    s = Sampler()
+    rows = [row(temperature=0, logprobs=1), row(temperature=0, logit_bias={"0": -100}),
+            row(temperature=0, logit_bias={3: 2.1})]  # 0.0 + 2.1 > 2.0
+    tokens, lps = s(x, rows)
+    assert tokens == [0, 1, 3]
+    assert lps[0][0] == pytest.approx(float(torch.log_softmax(x[0], -1)[0]))  # raw logits
+    # sampled: +100 on one token makes it all but certain; -100 on the rest of the mass too
+    forced = [row(temperature=1.0, seed=k, logit_bias={2: 100}) for k in range(20)]
+    assert s(torch.tensor([[2.0, 1.5, -1.0, 0.0]] * 20), forced)[0] == [2] * 20
+    banned = [row(temperature=1.0, seed=k, logit_bias={0: -100, 1: -100}) for k in range(20)]
+    assert set(s(torch.tensor([[2.0, 1.5, -1.0, 0.0]] * 20), banned)[0]) <= {2, 3}
+
+
+def test_logit_bias_is_checked():
+    for bad, msg in (({"a": 1}, "token ids"), ({1: 100.5}, r"\[-100, 100\]"),
+                     ({i: 1 for i in range(1025)}, "at most 1024"), ([1], "an object")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    p = SamplingParams(logit_bias={"7": 3})
+    assert p.logit_bias == {7: 3.0} and SamplingParams.from_dict(p.to_dict()) == p
+
+
 def test_greedy_batched_equals_per_row_and_ties_take_lowest_id():
     torch.manual_seed(0)
     x = torch.randn(6, 50)

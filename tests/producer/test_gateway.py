@@ -120,6 +120,35 @@ def test_completion_logprobs_are_the_engines_raw_distribution(pool, tiny_llama_l
     assert offsets == lp.text_offset
 
 
+def test_logit_bias_forces_and_bans_a_token(pool):
+    """Through the official client; the ids come from the Python client's result (its logprob
+    maps are keyed by token id)."""
+    from genpool.producer import Client
+
+    c = pool["client"]
+    kw = dict(model="tiny", prompt="The harbor at dawn", max_tokens=4, temperature=0,
+              extra_body={"ignore_eos": True})
+    plain = c.completions.create(**kw, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    with Client(pool["url"], pool["prefix"]) as gc:
+        res = gc.submit("The harbor at dawn", model="tiny", max_tokens=1, temperature=0,
+                        logprobs=5).result(timeout=60)
+    first_id = res.token_ids[0]
+    ranked = sorted(res.logprobs[0].items(), key=lambda kv: kv[1])
+    other_id = int(ranked[0][0])  # the least likely of the top 5
+    other = res.token_texts[ranked[0][0]]
+    assert res.token_texts[str(first_id)] == first and other_id != first_id
+    banned = c.completions.create(**kw, logprobs=0, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+    forced = c.completions.create(**kw, logprobs=0, logit_bias={str(other_id): 100})
+    assert forced.choices[0].logprobs.tokens == [other] * 4  # +100: every step picks it
+    # the logprobs stay the model's own (raw) distribution, bias or not
+    assert banned.choices[0].logprobs.token_logprobs[0] < plain.choices[0].logprobs.token_logprobs[0]
+    for bad in ({"x": 1}, {"1": 101}, {"99999999": 1}):
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            c.completions.create(**kw, logit_bias=bad)
+
+
 def test_chat_logprobs_streamed_equal_non_streamed(pool):
     c = pool["client"]
     kw = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
