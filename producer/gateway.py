@@ -258,6 +258,8 @@ class Gateway:
                     yield sse(APIError(500, _TAKEN_BACK[ev.type], "server_error",
                                        code="restarted").body())
                     return
+                if req.tools is not None and req.tools.active:
+                    continue  # held back: the end tells text from tool calls (final_chunks)
                 with_lps = (req.top_logprobs is not None and isinstance(ev, TokenEvent)
                             and bool(ev.token_ids))
                 if ev.text or with_lps:  # a token whose text is held back still has logprobs

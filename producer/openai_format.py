@@ -10,13 +10,14 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 from pydantic import ValidationError
 
 from genpool.schemas import Choice, ErrorEvent, JobResult, Usage
 
-from . import openai_logprobs
+from . import openai_logprobs, openai_tools
 from .protocol import build_request
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -29,7 +30,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "p
           "priority",
           # structured output: OpenAI's response_format, vLLM's structured_outputs (extra_body)
           "response_format", "structured_outputs"}
-ONLY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+ONLY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                 "tool_choice"},
         "completion": {"prompt", "logprobs"}}
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5; genpool allows 20 for both)
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
@@ -37,8 +39,7 @@ IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 # a silently different answer.
 OFF_VALUES: dict[str, tuple] = {
     "echo": (None, False), "suffix": (None,),
-    "best_of": (None, 1), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
     "modalities": (None, ["text"]),
 }
 # Worker error codes -> (HTTP status, OpenAI error type, OpenAI error code).
@@ -89,6 +90,7 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     top_logprobs: Optional[int] = None  # logprobs asked: alternatives per token (None: not asked)
+    tools: Optional[openai_tools.Tools] = None  # chat tool calling (producer/openai_tools.py)
 
 
 def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Optional[str] = None,
@@ -99,8 +101,9 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
     _check_keys(kind, body)
     kw: dict[str, Any] = {k: body[k] for k in COMMON - {"stream", "stream_options"}
                           if body.get(k) is not None}
+    tools = _tools(kind, body, kw)
     if kind == "chat":
-        kw["messages"] = _messages(body.get("messages"))
+        kw["messages"] = _messages(body.get("messages"), tools)
         if body.get("max_completion_tokens") is not None:
             kw["max_tokens"] = body["max_completion_tokens"]
     else:
@@ -122,7 +125,20 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}",
                        param="stream_options")
     return OpenAIRequest(kind, kw, str(kw.get("model") or "genpool"), bool(stream),
-                         bool((opts or {}).get("include_usage")), top)
+                         bool((opts or {}).get("include_usage")), top, tools)
+
+
+def _tools(kind: str, body: dict, kw: dict) -> Optional[openai_tools.Tools]:
+    """The request's tools; a required or named choice constrains the answer to one call."""
+    if kind != "chat":
+        return None
+    try:
+        tools = openai_tools.parse(body)
+        if tools is not None:
+            openai_tools.constrain(tools, kw)
+    except openai_tools.ToolError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    return tools
 
 
 def _logprobs(kind: str, body: dict) -> Optional[int]:
@@ -157,7 +173,7 @@ def _check_keys(kind: str, body: dict) -> None:
                            code="unknown_parameter")
 
 
-def _messages(raw: Any) -> list[dict]:
+def _messages(raw: Any, tools: Optional[openai_tools.Tools] = None) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise APIError(400, "messages must be a non-empty array", param="messages")
     out = []
@@ -165,7 +181,21 @@ def _messages(raw: Any) -> list[dict]:
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}] must be an object", param=f"messages.{i}")
         role = "system" if m.get("role") == "developer" else m.get("role")
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        content = _content(m.get("content"), i)
+        if role == "assistant" and m.get("tool_calls"):  # as the model wrote them (Hermes)
+            try:
+                calls = [openai_tools.render_call(c, j) for j, c in enumerate(m["tool_calls"])]
+            except (openai_tools.ToolError, TypeError) as e:
+                raise APIError(400, f"messages[{i}]: {e}", param=f"messages.{i}.tool_calls",
+                               code="invalid_value") from None
+            content = "\n".join(filter(None, [content, *calls]))
+        out.append({"role": role, "content": content})
+    if tools is not None and tools.active:  # the tools go into the system message
+        text = openai_tools.system_text(tools)
+        if out[0]["role"] == "system" and isinstance(out[0]["content"], str):
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
     return out
 
 
@@ -229,9 +259,15 @@ def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] =
                                     c.token_texts)
     if req.kind == "chat":
         body["object"] = "chat.completion"
-        body["choices"] = [{"index": c.index, "logprobs": lps(c),
-                            "finish_reason": _finish(c.finish_reason),
-                            "message": {"role": "assistant", "content": c.text}} for c in choices]
+        body["choices"] = []
+        for c in choices:
+            content, calls = openai_tools.split(req.tools, c.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            body["choices"].append({"index": c.index, "logprobs": lps(c), "message": message,
+                                    "finish_reason": "tool_calls" if calls
+                                    else _finish(c.finish_reason)})
     else:
         body["object"] = "text_completion"
         body["choices"] = [{"index": c.index, "text": c.text, "logprobs": lps(c),
@@ -266,8 +302,15 @@ def chunk_body(req: OpenAIRequest, job_id: str, created: int, index: int, *, tex
 
 def final_chunks(req: OpenAIRequest, res: JobResult, created: int) -> list[dict]:
     """The closing chunks: one finish_reason per choice, then usage when it was asked for."""
-    out = [chunk_body(req, res.id, created, c.index, finish_reason=_finish(c.finish_reason))
-           for c in (res.choices or [_single(res)])]
+    out = []
+    for c in res.choices or [_single(res)]:
+        calls: list[dict] = []
+        if req.tools is not None and req.tools.active:  # held back until now: text or calls?
+            content, calls = openai_tools.split(req.tools, c.text)
+            out += openai_tools.chunks(partial(chunk_body, req, res.id, created, c.index),
+                                       content, calls)
+        out.append(chunk_body(req, res.id, created, c.index,
+                              finish_reason="tool_calls" if calls else _finish(c.finish_reason)))
     if req.include_usage:
         out.append({**chunk_body(req, res.id, created, 0), "choices": [],
                     "usage": usage_body(res.usage)})

@@ -173,6 +173,74 @@ def test_chat_logprobs_streamed_equal_non_streamed(pool):
     assert all(ch.logprobs is None for ch in plain.choices)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _calls_of(stream) -> tuple[list[tuple[str, str]], str]:
+    """Tool calls reassembled from streamed deltas (OpenAI's chunking), and the finish reason."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                got = calls.setdefault(d.index, ["", ""])
+                if d.function and d.function.name:
+                    got[0] = d.function.name
+                if d.function and d.function.arguments:
+                    got[1] += d.function.arguments
+            finish = ch.finish_reason or finish
+    return [tuple(v) for _, v in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("choice,names", [
+    ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+    ("required", {"get_weather", "get_time"}),
+])
+def test_a_forced_tool_call_is_valid_streamed_or_not(pool, choice, names):
+    import jsonschema
+
+    c = pool["client"]
+    kw = dict(model="tiny", messages=ASK_WEATHER, tools=[WEATHER, CLOCK], tool_choice=choice,
+              max_tokens=120, temperature=0)
+    whole = c.chat.completions.create(**kw)
+    ch = whole.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    schema = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]["function"]
+    jsonschema.validate(json.loads(call.function.arguments), schema["parameters"])
+    streamed, finish = _calls_of(c.chat.completions.create(**kw, stream=True))
+    assert streamed == [(call.function.name, call.function.arguments)] and finish == "tool_calls"
+
+
+def test_a_conversation_with_a_tool_result_goes_on_in_text(pool):
+    c = pool["client"]
+    msgs = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C and snow"}]
+    res = c.chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER],
+                                    max_tokens=8, temperature=0)
+    ch = res.choices[0]
+    # auto: whatever the (random-weight) model wrote is text unless it is a well-formed call
+    assert ch.finish_reason in ("stop", "length", "tool_calls")
+    assert (ch.message.content is not None) or ch.message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="tool_choice names 'nope'"):
+        c.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="used twice"):
+        c.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER, WEATHER])
+
+
 def test_chat_streamed_equals_non_streamed(pool):
     c = pool["client"]
     kw = dict(model="tiny", messages=CHAT, max_tokens=12, temperature=0)

@@ -1,0 +1,200 @@
+"""OpenAI tool calling on /v1/chat/completions: `tools` and `tool_choice` in, `tool_calls` out.
+
+The model sees the tools in the Hermes format (a system message listing them as JSON, calls
+written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), the format most small
+open models were tuned on; conversations that carry assistant `tool_calls` and `role: "tool"`
+results are rendered in the same format, then through the model's chat template.
+- `tool_choice: "required"` or a named function: the answer is constrained (llguidance, the
+  structured-output path) to one call whose arguments validate against that tool's schema.
+- `"auto"`: unconstrained; a parser (PARSERS, by name; "hermes" today) takes the calls out of the
+  text, and what is left is the message's content.
+- `"none"`: the tools are not shown and nothing is parsed.
+Bad tools (no name, a duplicate, an invalid schema, too many or too big, an unknown named
+choice) are 400s naming the tool. One call per answer when constrained (`parallel_tool_calls` is
+accepted; the constraint allows one).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 256 << 10  # their JSON, all together
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class ToolError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Tools:
+    tools: list[dict]  # [{"name", "description", "parameters"}]
+    choice: str  # "none" | "auto" | "required" | a tool's name
+    parser: str = "hermes"
+
+    @property
+    def active(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice not in ("none", "auto")
+
+
+def parse(body: dict) -> Optional[Tools]:
+    """The request's tools and choice (None: no tools), validated; ToolError naming the field."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw in (None, []):
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+        raise ToolError(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
+    if len(json.dumps(raw)) > MAX_TOOLS_BYTES:
+        raise ToolError(f"tools are over {MAX_TOOLS_BYTES} bytes of JSON", "tools")
+    tools = [_tool(t, i) for i, t in enumerate(raw)]
+    names = [t["name"] for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise ToolError(f"tool name {dup!r} is used twice", "tools")
+    return Tools(tools, _choice(choice, names))
+
+
+def _tool(t: Any, i: int) -> dict:
+    fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+    if not isinstance(fn, dict):
+        raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                        f"tools.{i}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got "
+                        f"{name!r}", f"tools.{i}.function.name")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise ToolError(f"tool {name!r}: parameters must be a JSON schema object",
+                        f"tools.{i}.function.parameters")
+    return {"name": name, "description": str(fn.get("description") or ""), "parameters": params}
+
+
+def _choice(choice: Any, names: list[str]) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ToolError("tool_choice must be none, auto, required or {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}", "tool_choice")
+    if name not in names:
+        raise ToolError(f"tool_choice names {name!r}, which is not among the tools",
+                        "tool_choice")
+    return name
+
+
+# -- into the prompt ---------------------------------------------------------------------------
+def system_text(tools: Tools) -> str:
+    listed = "\n".join(json.dumps({"type": "function", "function": t}) for t in tools.tools)
+    return ("You are a function calling AI model. You may call one or more functions to assist "
+            "with the user query. Here are the available tools: <tools>\n" + listed +
+            "\n</tools>\nFor each function call return a json object with function name and "
+            "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+            "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+
+
+def render_call(call: Any, i: int) -> str:
+    """An assistant message's tool call as the model writes it (Hermes)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ToolError(f"tool_calls[{i}] must carry function.name", "messages")
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        raise ToolError(f"tool_calls[{i}].function.arguments is not JSON", "messages") from None
+    return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
+
+
+def constraint(tools: Tools) -> Optional[dict]:
+    """For required / a named tool: structured_outputs for exactly one call."""
+    if not tools.constrained:
+        return None
+    chosen = [t for t in tools.tools if tools.choice in ("required", t["name"])]
+    one = [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                              "arguments": t["parameters"]},
+            "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+    return {"json": one[0] if len(one) == 1 else {"anyOf": one}}
+
+
+def constrain(tools: Tools, kw: dict) -> None:
+    """A required or named choice constrains the job (its submit kwargs) to one call."""
+    so = constraint(tools)
+    if not so:
+        return
+    if kw.get("structured_outputs") or (kw.get("response_format") or {}).get("type",
+                                                                             "text") != "text":
+        raise ToolError("tool_choice required or a named tool constrains the answer; it cannot "
+                        "be combined with response_format or structured_outputs", "tool_choice")
+    kw["structured_outputs"] = so
+
+
+# -- out of the answer -------------------------------------------------------------------------
+def _call(obj: Any) -> Optional[dict]:
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}}
+
+
+def hermes(text: str) -> tuple[Optional[str], list[dict]]:
+    """(content, calls): every `<tool_call>{json}</tool_call>` that parses, and the text left."""
+    calls = []
+    for m in CALL_RE.finditer(text):
+        try:
+            call = _call(json.loads(m.group(1)))
+        except ValueError:
+            call = None
+        if call is not None:
+            calls.append(call)
+    if not calls:
+        return text, []
+    rest = CALL_RE.sub("", text).strip()
+    return rest or None, calls
+
+
+PARSERS: dict[str, Callable[[str], tuple[Optional[str], list[dict]]]] = {"hermes": hermes}
+
+
+def split(tools: Optional[Tools], text: str) -> tuple[Optional[str], list[dict]]:
+    """An answer's (content, tool calls) under the request's tools."""
+    if tools is None or not tools.active:
+        return text, []
+    if tools.constrained:  # the constraint made it exactly one call's JSON
+        try:
+            call = _call(json.loads(text))
+        except ValueError:
+            call = None
+        return (None, [call]) if call else (text, [])
+    return PARSERS[tools.parser](text)
+
+
+def chunks(chunk: Callable[..., dict], content: Optional[str], calls: list[dict]) -> list[dict]:
+    """OpenAI's chunking of an answer held back for its tool calls: the content, then per call
+    its index, id, type and name (arguments ""), then its arguments. `chunk(text=...)` makes one
+    chunk of the choice."""
+    out = [chunk(text=content)] if content else []
+    for j, call in enumerate(calls):
+        for delta in ({"index": j, "id": call["id"], "type": "function",
+                       "function": {"name": call["function"]["name"], "arguments": ""}},
+                      {"index": j, "function": {"arguments": call["function"]["arguments"]}}):
+            c = chunk()
+            c["choices"][0]["delta"] = {"tool_calls": [delta]}
+            out.append(c)
+    return out

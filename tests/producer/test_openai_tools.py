@@ -1,0 +1,96 @@
+"""producer/openai_tools.py and its use in openai_format: tools in, tool calls out (no Redis)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from genpool.producer import openai_tools
+from genpool.producer.openai_format import APIError, completion_body, final_chunks, parse_body
+from genpool.schemas import JobResult
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def body(**kw):
+    return {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], **kw}
+
+
+def test_a_named_choice_constrains_the_answer_to_that_tools_call():
+    req = parse_body("chat", body(tool_choice={"type": "function",
+                                              "function": {"name": "get_weather"}}))
+    so = req.kwargs["structured_outputs"]["json"]
+    assert so["properties"]["name"] == {"const": "get_weather"}
+    assert so["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    system = req.kwargs["messages"][0]
+    assert system["role"] == "system" and "<tools>" in system["content"] and "get_time" in \
+        system["content"]
+    required = parse_body("chat", body(tool_choice="required")).kwargs["structured_outputs"]
+    assert [o["properties"]["name"]["const"] for o in required["json"]["anyOf"]] == [
+        "get_weather", "get_time"]
+
+
+def test_auto_is_unconstrained_and_none_shows_no_tools():
+    auto = parse_body("chat", body())
+    assert "structured_outputs" not in auto.kwargs and auto.tools.choice == "auto"
+    none = parse_body("chat", body(tool_choice="none"))
+    assert none.kwargs["messages"] == ASK and not none.tools.active
+
+
+def test_a_conversation_with_calls_and_results_renders_in_the_hermes_format():
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"}]
+    req = parse_body("chat", body(messages=msgs))
+    out = req.kwargs["messages"]
+    assert out[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": '
+                                 '{"city": "Oslo"}}\n</tool_call>')
+    assert out[3] == {"role": "tool", "content": "-3 C, snow"}
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    ([{"type": "function", "function": {"name": "bad name"}}], None, "tools.0.function.name"),
+    ([WEATHER, WEATHER], None, "tools"),
+    ([WEATHER] * 129, None, "tools"),
+    ([{"type": "retrieval"}], None, "tools.0"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    ([WEATHER], "sometimes", "tool_choice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+     "required", None),  # llguidance refuses the schema
+])
+def test_bad_tools_are_400s_naming_the_tool(tools, choice, param):
+    kw = {"tools": tools} if choice is None else {"tools": tools, "tool_choice": choice}
+    with pytest.raises(APIError) as e:
+        parse_body("chat", {"model": "m", "messages": ASK, **kw})
+    assert e.value.status == 400
+    if param:
+        assert e.value.param == param
+
+
+def test_answers_become_tool_calls():
+    content, calls = openai_tools.hermes('Let me check. <tool_call>\n{"name": "get_weather", '
+                                         '"arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert content == "Let me check." and calls[0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    assert openai_tools.hermes("<tool_call>not json</tool_call>") == (
+        "<tool_call>not json</tool_call>", [])
+    req = parse_body("chat", body(tool_choice="required"))
+    res = JobResult(id="j", text='{"name": "get_time", "arguments": {"zone": "UTC"}}',
+                    finish_reason="stop")
+    choice = completion_body(req, res)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
+        "zone": "UTC"}
+    chunks = final_chunks(req, res, 0)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
+    assert deltas[1]["tool_calls"][0]["function"] == {"arguments": '{"zone": "UTC"}'}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
