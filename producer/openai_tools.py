@@ -127,10 +127,44 @@ def constraint(tools: Tools) -> Optional[dict]:
     if not tools.constrained:
         return None
     chosen = [t for t in tools.tools if tools.choice in ("required", t["name"])]
+    defs: dict = {}
     one = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                              "arguments": t["parameters"]},
+                                              "arguments": _hoisted(t, defs)},
             "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
-    return {"json": one[0] if len(one) == 1 else {"anyOf": one}}
+    schema = one[0] if len(one) == 1 else {"anyOf": one}
+    return {"json": {**schema, "$defs": defs} if defs else schema}
+
+
+def _hoisted(tool: dict, defs: dict) -> dict:
+    """The tool's parameters with their `$defs` / `definitions` moved into `defs` (prefixed by
+    the tool's name) and every local `$ref` rewritten to match: nested under `arguments`, the
+    schema's own root-relative refs ("#/$defs/Item", "#") would point nowhere. Pydantic and
+    LangChain write such schemas."""
+    params = dict(tool["parameters"])
+    own = {**params.pop("$defs", {}), **params.pop("definitions", {})}
+    pre = f"{tool['name']}__"
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, list):
+            return [fix(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        out = {k: fix(v) for k, v in x.items() if k != "$ref"}
+        ref = x.get("$ref")
+        if isinstance(ref, str):
+            for base in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(base):
+                    ref = f"#/$defs/{pre}{ref[len(base):]}"
+            out["$ref"] = f"#/$defs/{pre}root" if ref == "#" else ref
+        elif ref is not None:
+            out["$ref"] = ref
+        return out
+    for k, v in own.items():
+        defs[pre + k] = fix(v)
+    fixed = fix(params)
+    if '"#"' in json.dumps(params):  # the root refers to itself: give it a name
+        defs[pre + "root"] = fixed
+    return fixed
 
 
 def constrain(tools: Tools, kw: dict) -> None:

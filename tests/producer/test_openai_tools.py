@@ -94,3 +94,33 @@ def test_answers_become_tool_calls():
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
     assert deltas[1]["tool_calls"][0]["function"] == {"arguments": '{"zone": "UTC"}'}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_schemas_with_defs_and_recursion_keep_their_refs_under_the_call():
+    """Pydantic (and LangChain) schemas carry `$defs` and root-relative `$ref`s; nested under
+    `arguments` they must be hoisted and rewritten, or the constraint refers to nothing."""
+    import jsonschema
+    import pydantic
+
+    class Item(pydantic.BaseModel):
+        name: str
+
+    class Order(pydantic.BaseModel):
+        items: list[Item]
+
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    tools = [{"type": "function", "function": {"name": "order",
+                                                "parameters": Order.model_json_schema()}},
+             {"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    req = parse_body("chat", {"model": "m", "messages": ASK, "tools": tools,
+                              "tool_choice": "required"})
+    schema = req.kwargs["structured_outputs"]["json"]
+    assert set(schema["$defs"]) == {"order__Item", "tree__root"}
+    good = [{"name": "order", "arguments": {"items": [{"name": "tea"}]}},
+            {"name": "tree", "arguments": {"kids": [{"kids": []}]}}]
+    for call in good:
+        jsonschema.validate(call, schema)
+    for bad in ({"name": "order", "arguments": {"items": [{"nom": 1}]}},
+                {"name": "tree", "arguments": {"kids": [{"kids": [1]}]}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
