@@ -32,6 +32,20 @@ STEPS = {"type": "object", "properties": {"steps": {
 RECIPE = [{"role": "user", "content": "List the steps to bake bread as JSON."}]
 
 
+def up(url: str, prefix: str, model, name: str, log, *extra: str):
+    """A real model worker process, once it is live (claim window 1.5 s, 0.2 s heartbeats)."""
+    p = spawn_worker(url, prefix, model, name, "--num-threads", "2", "--claim-idle-ms", "1500",
+                     "--heartbeat-s", "0.2", *extra, log_path=log)
+    try:
+        wait_for(lambda: workers_alive(url, prefix) >= 1 or p.poll() is not None, timeout=300,
+                 what=f"{name} up")
+    except BaseException:
+        stop_proc(p)
+        raise
+    assert p.poll() is None, log.read_text()[-3000:]
+    return p
+
+
 def published(c: Client, job_id: str) -> dict[int, int]:
     """Tokens of each completion in the job's log now."""
     out: dict[int, int] = {}
@@ -82,14 +96,9 @@ def test_sigkill_mid_generation_resumes_every_job_token_for_token(redis_url, smo
     del llm
     prefix = new_prefix("resume")
     c = Client(redis_url, prefix)
-    common = ("--max-num-seqs", "8", "--num-threads", "2", "--claim-idle-ms", "1500",
-              "--heartbeat-s", "0.2")
-    a = spawn_worker(redis_url, prefix, smollm2_path, "victim", *common,
-                     log_path=tmp_path / "a.log")
+    a = up(redis_url, prefix, smollm2_path, "victim", tmp_path / "a.log", "--max-num-seqs", "8")
     b = None
     try:
-        wait_for(lambda: workers_alive(redis_url, prefix) == 1 or a.poll() is not None,
-                 timeout=300, what="victim up")
         jobs = [c.submit(**s) for s in specs]
         seen: dict[str, list] = {j.id: [] for j in jobs}
         readers = [threading.Thread(target=lambda j=j: seen[j.id].extend(j.stream(timeout=600)),
@@ -103,7 +112,8 @@ def test_sigkill_mid_generation_resumes_every_job_token_for_token(redis_url, smo
         os.kill(a.pid, signal.SIGKILL)
         a.wait()
         cut = {j.id: published(c, j.id) for j in jobs}
-        b = spawn_worker(redis_url, prefix, smollm2_path, "rescuer", *common,
+        b = spawn_worker(redis_url, prefix, smollm2_path, "rescuer", "--max-num-seqs", "8",
+                         "--num-threads", "2", "--claim-idle-ms", "1500",
                          log_path=tmp_path / "b.log")
         results = {j.id: j.result(timeout=600) for j in jobs}
         for t in readers:
@@ -147,22 +157,18 @@ def test_a_taker_with_another_quantization_restarts_and_says_why(redis_url, smol
                                                                  tmp_path):
     prefix = new_prefix("resume-q")
     c = Client(redis_url, prefix)
-    common = ("--max-num-seqs", "4", "--num-threads", "2", "--claim-idle-ms", "1500",
-              "--heartbeat-s", "0.2")
-    a = spawn_worker(redis_url, prefix, smollm2_path, "fp32", *common,
-                     log_path=tmp_path / "a.log")
+    a = up(redis_url, prefix, smollm2_path, "fp32", tmp_path / "a.log", "--max-num-seqs", "4")
     b = None
     try:
-        wait_for(lambda: workers_alive(redis_url, prefix) == 1 or a.poll() is not None,
-                 timeout=300, what="fp32 worker up")
         jobs = [c.submit(f"Write about the sea, part {i}", max_tokens=200, temperature=0.0,
                          ignore_eos=True) for i in range(2)]
         wait_for(lambda: all(published(c, j.id).get(0, 0) >= 10 for j in jobs), timeout=300,
                  what="10 tokens each")
         os.kill(a.pid, signal.SIGKILL)
         a.wait()
-        b = spawn_worker(redis_url, prefix, smollm2_path, "int8", *common,
-                         "--quantization", "int8", log_path=tmp_path / "b.log")
+        b = spawn_worker(redis_url, prefix, smollm2_path, "int8", "--max-num-seqs", "4",
+                         "--num-threads", "2", "--claim-idle-ms", "1500", "--quantization",
+                         "int8", log_path=tmp_path / "b.log")
         results = [j.result(timeout=600) for j in jobs]
     finally:
         stop_proc(a)
