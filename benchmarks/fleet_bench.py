@@ -176,8 +176,9 @@ def run_level(a, url: str, server_pids: tuple[list, list], workers: int, max_tok
            "--workers", str(workers), "--seqs", str(a.seqs), "--step-hz", str(a.step_hz),
            "--seconds", str(a.seconds), "--warmup", str(a.warmup),
            "--lane-shards", str(a.lane_shards)]
-    fleet = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=ROOT))
+    # the script puts the root last on its own sys.path; PYTHONPATH=ROOT would put it first
+    # and shadow installed packages (Hugging Face's kernels)
+    fleet = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     if fleet.stdout.readline().strip() != "ready":  # both windows start from here
         raise SystemExit(f"fleet process failed (exit {fleet.wait()})")
     try:

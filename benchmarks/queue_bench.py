@@ -62,8 +62,9 @@ def start_worker(a, model, url: str, prefix: str, log_path: str) -> subprocess.P
            "--prefix", prefix, "--name", "bench", "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", a.dtype,
            "--heartbeat-s", "0.5", "--drain-timeout", "0", "--log-level", "WARNING"]
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    # no PYTHONPATH=ROOT: the checkout root's folders (kernels/, ...) would shadow installed
+    # packages in the child (Hugging Face's kernels, which transformers imports); -P keeps cwd off
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,
                             stderr=open(log_path, "wb"))
 
 
