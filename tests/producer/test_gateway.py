@@ -241,6 +241,32 @@ def test_a_conversation_with_a_tool_result_goes_on_in_text(pool):
         c.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER, WEATHER])
 
 
+def test_langchain_tools_structured_output_and_streaming(pool):
+    """LangChain's own OpenAI client (langchain-openai) against the gateway, unchanged."""
+    import jsonschema
+    import pydantic
+    from langchain_openai import ChatOpenAI
+
+    class Forecast(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=12)
+        degrees: int = pydantic.Field(ge=-60, le=60)
+        sky: str = pydantic.Field(pattern="^(clear|cloudy|snow)$")
+
+    llm = ChatOpenAI(base_url=f"{pool['base']}/v1", api_key=KEY, model="tiny", temperature=0,
+                     max_tokens=120, max_retries=0)
+    msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke(
+        "What is the weather in Oslo?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    got = llm.with_structured_output(Forecast).invoke("Forecast for Oslo, as JSON.")
+    assert isinstance(got, Forecast) and -60 <= got.degrees <= 60
+    short = ChatOpenAI(base_url=f"{pool['base']}/v1", api_key=KEY, model="tiny", temperature=0,
+                       max_tokens=8, max_retries=0)
+    streamed = "".join(chunk.content for chunk in short.stream("Name three colors."))
+    assert streamed and streamed == short.invoke("Name three colors.").content
+
+
 def test_chat_streamed_equals_non_streamed(pool):
     c = pool["client"]
     kw = dict(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
