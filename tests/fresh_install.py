@@ -21,6 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / ".ci" / "constraints.txt"
+DROP = """
+import sys
+from genpool.schemas.connection import connect, delete_prefix
+delete_prefix(connect(sys.argv[1]), sys.argv[2])
+"""
 DECOYS = ("engine", "schemas", "workers", "producer")  # `kernels` is Hugging Face's, pulled by transformers
 JOB = """
 import json, sys
@@ -132,7 +137,9 @@ def wheel_files(venv: Venv) -> list[str]:
 
 def run_job(venv: Venv, url: str, model: str, outside: Path, home: Path, timeout: float = 600) -> dict:
     """`genpool worker` started from outside the checkout, one chat job through it."""
-    prefix = f"test-fresh-{os.getpid()}-{time.time_ns() % 10**6}"
+    # under the suite's run id when there is one (tests/hygiene.py then checks its keys too)
+    run = os.environ.get("GENPOOL_TEST_SESSION", "latest")
+    prefix = f"test-{run}-fresh-{os.getpid()}-{time.time_ns() % 10**6}"
     env = dict(os.environ, GENPOOL_HOME=str(home))
     env.pop("PYTHONPATH", None)
     log = outside / f"{prefix}.log"
@@ -152,6 +159,7 @@ def run_job(venv: Venv, url: str, model: str, outside: Path, home: Path, timeout
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
+        venv.run_py(DROP, url, prefix, cwd=outside, env=env)  # its lane streams have no TTL
     return json.loads(out.strip().splitlines()[-1])
 
 
