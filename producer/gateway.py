@@ -25,6 +25,7 @@ from genpool.schemas.connection import connect_async, lane_depths, queue_lane_de
 from genpool.schemas.keys import check_memory_policy
 from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
 
+from . import openai_logprobs
 from .aio import AsyncClient, AsyncJob
 from .gateway_io import (
     ClientGone,
@@ -267,9 +268,8 @@ class Gateway:
                                          token=ev if with_lps else None,
                                          offset=offsets.get(ev.index, 0)))
                     if with_lps:
-                        texts = ev.token_texts or {}
-                        offsets[ev.index] = offsets.get(ev.index, 0) + sum(
-                            len(texts.get(str(t), "")) for t in ev.token_ids)
+                        offsets[ev.index] = openai_logprobs.advance(
+                            offsets.get(ev.index, 0), ev.token_ids, ev.token_texts or {})
             res = await job.result(raise_on_error=False)
             finished = True
             chunks = ([error_from_event(res.error).body()] if res.error is not None

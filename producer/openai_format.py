@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from genpool.schemas import Choice, ErrorEvent, JobResult, Usage
+from genpool.schemas import Choice, ErrorEvent, JobResult, TokenEvent, Usage
+from genpool.schemas.request import MAX_LOGPROBS
 
 from . import openai_logprobs, openai_tools
 from .protocol import build_request
@@ -33,7 +34,6 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "p
 ONLY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                  "tool_choice"},
         "completion": {"prompt", "logprobs"}}
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5; genpool allows 20 for both)
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 # Features accepted only at their "off" value: a caller relying on them must hear "no", not get
 # a silently different answer.
@@ -145,8 +145,9 @@ def _logprobs(kind: str, body: dict) -> Optional[int]:
     """How many alternatives per token the request asks logprobs for (None: no logprobs).
     Chat: `logprobs: true` and `top_logprobs` 0-20; completions: `logprobs` 0-20."""
     def count(name: str, v: Any) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+        # OpenAI's bound for chat (completions: 5); genpool takes the job's for both
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS:
+            raise APIError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got "
                                 f"{v!r}", param=name, code="invalid_value")
         return v
     lp, top = body.get("logprobs"), body.get("top_logprobs")
@@ -282,7 +283,7 @@ def _single(res: JobResult) -> Choice:
 
 def chunk_body(req: OpenAIRequest, job_id: str, created: int, index: int, *, text: str = "",
                role: bool = False, finish_reason: Optional[str] = None,
-               token: Optional[Any] = None, offset: int = 0) -> dict:
+               token: Optional[TokenEvent] = None, offset: int = 0) -> dict:
     """One streaming chunk in OpenAI's shape (`delta` for chat, `text` for completions); `token`,
     a TokenEvent, gives its logprobs (`offset`: where its text starts in the completion)."""
     lps = None if token is None else openai_logprobs.body(

@@ -9,6 +9,7 @@ U+FFFD there, as its text does).
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional
 
 
@@ -28,13 +29,15 @@ def chat(ids: list[int], maps: list[dict[str, float]], texts: dict[str, str], k:
     return {"content": content}
 
 
+def advance(offset: int, ids: list[int], texts: dict[str, str]) -> int:
+    """Where the text after these tokens starts (completions' `text_offset`)."""
+    return offset + sum(len(texts.get(str(t), "")) for t in ids)
+
+
 def completion(ids: list[int], maps: list[dict[str, float]], texts: dict[str, str], k: int,
                offset: int = 0) -> dict:
-    tokens, offsets = [], []
-    for tok in ids:
-        offsets.append(offset)
-        tokens.append(texts.get(str(tok), ""))
-        offset += len(tokens[-1])
+    tokens = [texts.get(str(tok), "") for tok in ids]
+    offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if ids else []
     return {"tokens": tokens,
             "token_logprobs": [d.get(str(t), float("-inf")) for t, d in zip(ids, maps)],
             "top_logprobs": [{texts.get(tid, ""): lp for tid, lp in _top(d, k)} for d in maps],

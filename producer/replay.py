@@ -52,17 +52,23 @@ class _Track:
     def cut(self, k: int) -> Optional[RewindEvent]:
         """Keep the first k tokens shown (a resume goes on from there); the rewind, if any."""
         if self.replaying:  # the rerun's copy is what the log holds: it is cut, not the shown
-            chars = max(c for n, c in self.redo_marks if n <= k)
-            self.redo_text, self.redo_ids = self.redo_text[:chars], self.redo_ids[:k]
-            self.redo_marks = [(n, c) for n, c in self.redo_marks if n <= k]
+            self.redo_text, self.redo_ids, self.redo_marks = _cut(
+                self.redo_text, self.redo_ids, self.redo_marks, k)
             return None
         if len(self.ids) <= k:
             return None
-        chars = max(c for n, c in self.marks if n <= k)  # events end on token boundaries
-        ev = RewindEvent(token_index=k, dropped=len(self.ids) - k, dropped_text=self.text[chars:])
-        self.text, self.ids = self.text[:chars], self.ids[:k]
-        self.marks = [(n, c) for n, c in self.marks if n <= k]
+        text, ids, marks = _cut(self.text, self.ids, self.marks, k)
+        ev = RewindEvent(token_index=k, dropped=len(self.ids) - k,
+                         dropped_text=self.text[len(text):])
+        self.text, self.ids, self.marks = text, ids, marks
         return ev
+
+
+def _cut(text: str, ids: list[int], marks: list[tuple[int, int]], k: int):
+    """(text, ids, marks) of the first k tokens; events end on token boundaries, so the text
+    ends at the last mark within them."""
+    chars = max(c for n, c in marks if n <= k)
+    return text[:chars], ids[:k], [(n, c) for n, c in marks if n <= k]
 
 
 class Replay:

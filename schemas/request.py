@@ -26,6 +26,7 @@ MAX_STOP_LEN = 1024
 MAX_TOKEN_ID = 2**31  # exclusive; the engine checks stop_token_ids against its vocabulary
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 TokenId = Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)]
+MAX_LOGPROBS = 20  # alternatives per token a job may ask log-probabilities for (the engine's bound)
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a token id as a JSON object key
 
 # The most urgent priority a caller of a front door may ask for (lower runs sooner: keys.lane_for):
@@ -85,7 +86,7 @@ class JobRequest(BaseModel):
     ignore_eos: bool = False
     max_tokens: int = Field(default=16, ge=1, le=1_000_000)
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # {token id (a JSON object's keys are strings): bias in [-100, 100]}, at most 1024 ids
     logit_bias: Optional[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
         default=None, max_length=1024)

@@ -23,6 +23,7 @@ from genpool.workers.lease import LeaseKeeper
 from genpool.workers.observe import Observers
 from genpool.workers.outbox import Outbox
 from genpool.workers.streams import refused
+from genpool.workers.takeover import Takeover
 
 log = logging.getLogger("genpool.worker")
 COUNTED = {End.DONE: "done", End.FAILED: "failed", End.LOST: "lost"}  # for jobs that ran
@@ -114,7 +115,7 @@ class JobTable:
                                         resume=t.resume)
                 return
             except ValueError as exc:  # a log this engine could not have written
-                job.takeover = type(t)(restart=f"{exc}: rerun from the start")
+                job.takeover = Takeover(restart=f"{exc}: rerun from the start")
         self.engine.add_request(engine_id, prompt, params, priority=job.req.priority)
 
     def _tell_reader(self, job: Job) -> None:

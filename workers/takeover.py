@@ -47,11 +47,11 @@ class _Log:
     """The current attempt's part of a log: everything after its last `restart`."""
     texts: dict[int, str] = field(default_factory=dict)
     ids: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[Optional[dict[int, float]]]] = field(default_factory=dict)
+    # one logprob map per token as published (None where an event carried none for its tokens)
+    logprobs: dict[int, list[Optional[dict[str, float]]]] = field(default_factory=dict)
+    token_texts: dict[str, str] = field(default_factory=dict)
     first: Optional[TokenEvent] = None
     first_at: Optional[float] = None
-    published: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # logprob maps
-    token_texts: dict[str, str] = field(default_factory=dict)
 
     def add(self, ev: TokenEvent, at: float) -> None:
         if self.first is None:
@@ -60,13 +60,20 @@ class _Log:
         self.texts[i] = self.texts.get(i, "") + ev.text
         self.ids.setdefault(i, []).extend(ev.token_ids)
         lps = ev.logprobs or []
-        aligned = len(lps) == len(ev.token_ids)  # a map per token, else none of them is known
-        if aligned:
-            self.published.setdefault(i, []).extend(lps)
+        if len(lps) == len(ev.token_ids):  # a map per token, else none of them is known
             self.token_texts.update(ev.token_texts or {})
-        self.logprobs.setdefault(i, []).extend(
-            {int(k): v for k, v in d.items()} if aligned else None for d in
-            (lps if aligned else [None] * len(ev.token_ids)))
+        else:
+            lps = [None] * len(ev.token_ids)
+        self.logprobs.setdefault(i, []).extend(lps)
+
+    def engine_logprobs(self, n: int) -> list[list[Optional[dict[int, float]]]]:
+        """The maps as the engine takes them (int ids), per completion."""
+        return [[{int(k): v for k, v in d.items()} if d is not None else None
+                 for d in self.logprobs.get(i, [])] for i in range(n)]
+
+    def complete_logprobs(self) -> dict[int, list[dict[str, float]]]:
+        """The completions whose every token has its map (what the result can carry)."""
+        return {i: list(v) for i, v in self.logprobs.items() if all(d is not None for d in v)}
 
 
 def read_logs(r, keys, jobs: list[Job]) -> list[list]:
@@ -99,9 +106,10 @@ def plan(entries, n: int, identity: ModelIdentity) -> Takeover:
     token_ids = [log.ids.get(i, []) for i in range(n)]
     return Takeover(
         resume=ResumeState(token_ids=token_ids, seed=log.first.seed,
-                           logprobs=[log.logprobs.get(i, []) for i in range(n)]),
+                           logprobs=log.engine_logprobs(n)),
         texts=dict(log.texts), ids={i: list(v) for i, v in log.ids.items()},
-        first_token_at=log.first_at, logprobs=log.published, token_texts=log.token_texts)
+        first_token_at=log.first_at, logprobs=log.complete_logprobs(),
+        token_texts=log.token_texts)
 
 
 def _why_not(log: _Log, n: int, identity: ModelIdentity) -> str:
