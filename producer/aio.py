@@ -15,6 +15,7 @@ from genpool.schemas import TERMINAL, JobResult, Keys
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.connection import backoff, connect_async, is_cluster, stored_shards, xread_one
 from genpool.schemas.scripting import apipelined
+from genpool.schemas.tenants import check_tenant
 from genpool.schemas.workers import WorkerInfo
 
 from .client import CANCEL, CANCEL_FLAG, PIPELINE_CHUNK, SUBMIT, SUBMIT_JOB, SUBMIT_UNDO, added, lane_refused
@@ -179,13 +180,17 @@ class AsyncClient:
 
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,
                  redis_client: Optional[aredis.Redis] = None, job_ttl_s: int = JOB_TTL_S,
-                 reconnect_s: float = RECONNECT_S):
+                 reconnect_s: float = RECONNECT_S,
+                 tenant: Optional[str] = None):
         self.url = redis_url(url)
         self.reconnect_s = reconnect_s
         self.keys = Keys(key_prefix(prefix))
         self.redis = redis_client or connect_async(self.url, decode_responses=True)
         self.cluster = is_cluster(self.redis)  # then: no script or MULTI spans two hash slots
         self.job_ttl_s = job_ttl_s
+        # the tenant of every job this client submits that names none (trusted producers only:
+        # whoever holds the Redis URL may name any tenant; the gateway takes it from the key)
+        self.tenant = None if tenant is None else check_tenant(tenant)
         self._shards_known = False
 
     async def close(self) -> None:
@@ -205,7 +210,7 @@ class AsyncClient:
         return self.keys
 
     async def submit(self, prompt: Optional[str] = None, **kwargs: Any) -> AsyncJob:
-        req = build_request(prompt, **kwargs)
+        req = build_request(prompt, **{"tenant": self.tenant, **kwargs})
         keys = await self.lane_keys()
         if self.cluster:
             (entry,) = await _retrying(lambda: self._enqueue_cluster([req], keys))
@@ -216,7 +221,7 @@ class AsyncClient:
         return AsyncJob(self, req.id, duplicate=entry is None, model=req.model)
 
     async def submit_many(self, requests: list[dict]) -> list[AsyncJob]:
-        reqs = [build_request(**dict(r)) for r in requests]
+        reqs = [build_request(**{"tenant": self.tenant, **dict(r)}) for r in requests]
         keys = await self.lane_keys()
         send = self._enqueue_cluster if self.cluster else self._submit_chunk
         jobs: list[AsyncJob] = []
@@ -236,7 +241,7 @@ class AsyncClient:
         """The sync Client's _enqueue_cluster: three one-slot steps, pipelined."""
         now = submit_args(chunk[0], self.job_ttl_s)[2]
         claimed = await apipelined(self.redis, chunk, lambda pipe, req: SUBMIT_JOB.queue(
-            pipe, [keys.job(req.id)], [req.lane, now, self.job_ttl_s]), [SUBMIT_JOB],
+            pipe, [keys.job(req.id)], [req.lane, now, self.job_ttl_s, req.tenant]), [SUBMIT_JOB],
             raise_errors=True)
         fresh = [req for req, ok in zip(chunk, claimed) if ok]
         pipe = self.redis.pipeline(transaction=False)

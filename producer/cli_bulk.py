@@ -9,6 +9,7 @@ from pathlib import Path
 from genpool.schemas.config import HELP_FMT, add_connection_args
 from genpool.schemas.request import CALLER_PRIORITY_CEILING
 from genpool.schemas.settings import value
+from genpool.schemas.tenants import tenant_arg
 
 
 def register_batch(sub) -> None:
@@ -29,6 +30,8 @@ def register_batch(sub) -> None:
                    help="model for lines whose body names none (default: none: such lines go to "
                         "any worker)")
     p.add_argument("--priority", type=int, default=1, help="> 0: the bulk lane (default 1)")
+    p.add_argument("--tenant", type=tenant_arg, default=None,
+                   help="the tenant every line's job is for (default: \"default\")")
     p.add_argument("--batch-id", default=None,
                    help="namespace for job ids (default: a hash of the input file's content)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -44,7 +47,7 @@ def cmd_batch(a: argparse.Namespace) -> int:
         print(f"genpool batch: no such file: {a.input}", file=sys.stderr)
         return 2
     try:
-        c = run_batch(a.input, a.output, client=Client(a.redis, a.prefix),
+        c = run_batch(a.input, a.output, client=Client(a.redis, a.prefix, tenant=a.tenant),
                       max_in_flight=a.max_in_flight, model=a.model, priority=a.priority,
                       batch_id=a.batch_id, progress=not a.no_progress, errors_path=a.errors_out)
     except KeyboardInterrupt:

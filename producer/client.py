@@ -26,6 +26,7 @@ from genpool.schemas.scripts import (
     SUBMIT_LUA,
     SUBMIT_UNDO_LUA,
 )
+from genpool.schemas.tenants import check_tenant
 from genpool.schemas.workers import WorkerInfo
 
 from .errors import JobFailed
@@ -208,7 +209,8 @@ class Client:
 
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,
                  redis_client: Optional[redis.Redis] = None, job_ttl_s: int = JOB_TTL_S,
-                 reconnect_s: float = RECONNECT_S):
+                 reconnect_s: float = RECONNECT_S,
+                 tenant: Optional[str] = None):
         self.url = redis_url(url)
         self.reconnect_s = reconnect_s  # how long a waiting reader retries a lost Redis
         self.keys = Keys(key_prefix(prefix))
@@ -216,6 +218,9 @@ class Client:
         self.own_client = redis_client is None
         self.cluster = is_cluster(self.redis)  # then: no script or MULTI spans two hash slots
         self.job_ttl_s = job_ttl_s
+        # the tenant of every job this client submits that names none (trusted producers only:
+        # whoever holds the Redis URL may name any tenant; the gateway takes it from the key)
+        self.tenant = None if tenant is None else check_tenant(tenant)
         self._shards_known = False
         self._raw = None
 
@@ -240,7 +245,7 @@ class Client:
 
     def submit(self, prompt: Optional[str] = None, **kwargs: Any) -> Job:
         """kwargs: messages, model, priority, job_id, deadline, metadata, and SamplingParams names."""
-        req = build_request(prompt, **kwargs)
+        req = build_request(prompt, **{"tenant": self.tenant, **kwargs})
         keys = self.lane_keys()
         if self.cluster:
             (entry,) = _retrying(lambda: self._enqueue_cluster([req]))
@@ -252,7 +257,7 @@ class Client:
 
     def submit_many(self, requests: list[dict]) -> list[Job]:
         """Validate all, then enqueue in pipelined chunks (one round trip per chunk)."""
-        reqs = [build_request(**dict(r)) for r in requests]
+        reqs = [build_request(**{"tenant": self.tenant, **dict(r)}) for r in requests]
         self.lane_keys()
         send = self._enqueue_cluster if self.cluster else self._submit_chunk
         jobs: list[Job] = []
@@ -283,7 +288,7 @@ class Client:
         one hash slot (producer/protocol.py says why this order is safe to retry)."""
         now, keys = submit_args(chunk[0], self.job_ttl_s)[2], self.keys
         claimed = pipelined(self.redis, chunk, lambda pipe, req: SUBMIT_JOB.queue(
-            pipe, [keys.job(req.id)], [req.lane, now, self.job_ttl_s]), [SUBMIT_JOB],
+            pipe, [keys.job(req.id)], [req.lane, now, self.job_ttl_s, req.tenant]), [SUBMIT_JOB],
             raise_errors=True)
         fresh = [req for req, ok in zip(chunk, claimed) if ok]
         pipe = self.redis.pipeline(transaction=False)

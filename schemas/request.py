@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .keys import JOB_ID_RE, PROTOCOL_VERSION, lane_for
 from .structured import StructuredOutputs
+from .tenants import DEFAULT_TENANT, TENANT_CHARS
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_ID_LEN = 128
@@ -93,6 +94,8 @@ class JobRequest(BaseModel):
     structured_outputs: Optional[StructuredOutputs] = None  # schemas/structured.py
 
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    # who the job is for (schemas/tenants.py): fair share, quotas, usage and isolation key on it
+    tenant: str = Field(default=DEFAULT_TENANT, pattern=f"^{TENANT_CHARS}$")
     deadline: Optional[float] = Field(default=None, gt=0)
     metadata: Optional[dict[str, Any]] = None
 
@@ -140,7 +143,9 @@ class JobRequest(BaseModel):
         return out
 
     def to_wire(self) -> str:
-        return self.model_dump_json(exclude_none=True, by_alias=True)  # structured_outputs.json
+        # the default tenant stays off the wire: a worker from before tenants reads the job too
+        drop = {"tenant"} if self.tenant == DEFAULT_TENANT else None
+        return self.model_dump_json(exclude_none=True, by_alias=True, exclude=drop)
 
 
 def describe_validation_error(exc: ValidationError) -> str:

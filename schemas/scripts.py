@@ -27,7 +27,8 @@ LANE_REFUSED = ("nothing was stored; `genpool lanes check` says what is wrong wi
 # The XADD comes before any write: a lane that refuses it (its ids ran out after a raw XADD of
 # the last possible id, a key of another type) fails the submit with nothing stored, so a
 # resubmit of the id is not mistaken for a duplicate (a script's writes are never rolled back).
-# KEYS[1] job hash, KEYS[2] lane stream; ARGV: job JSON, lane, submit time, TTL seconds.
+# KEYS[1] job hash, KEYS[2] lane stream; ARGV: job JSON, lane, submit time, TTL seconds, and
+# optionally the job's tenant (kept in the hash for isolation checks; absent means "default").
 # Returns the stream entry id, or false when the job id already exists (it runs only once).
 SUBMIT_LUA = """
 if redis.call('HEXISTS', KEYS[1], 'state') == 1 then
@@ -41,6 +42,7 @@ if not ok then
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'lane', ARGV[2],
            'submitted_at', ARGV[3], 'attempts', 0)
+if ARGV[5] then redis.call('HSET', KEYS[1], 'tenant', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return entry
 """
@@ -51,7 +53,8 @@ return entry
 # already owns it), XADD, then HSETNX `entry`. A crash between steps leaves a hash without `entry`,
 # which a retried submit completes; two racing submits may both XADD, and the worker's CLAIM_LUA
 # runs only the entry that claims the id first (the rule that makes a plain XADD safe).
-# KEYS[1] job hash; ARGV: lane, submit time, TTL seconds. Returns 1, or false (already queued).
+# KEYS[1] job hash; ARGV: lane, submit time, TTL seconds, optionally the tenant.
+# Returns 1, or false (already queued).
 SUBMIT_JOB_LUA = """
 if redis.call('HEXISTS', KEYS[1], 'entry') == 1 then
   return false
@@ -59,6 +62,7 @@ end
 redis.call('HSETNX', KEYS[1], 'state', 'queued')
 if redis.call('HSETNX', KEYS[1], 'lane', ARGV[1]) == 1 then
   redis.call('HSET', KEYS[1], 'submitted_at', ARGV[2], 'attempts', 0)
+  if ARGV[4] then redis.call('HSET', KEYS[1], 'tenant', ARGV[4]) end
   redis.call('EXPIRE', KEYS[1], ARGV[3])
 end
 return 1

@@ -1,0 +1,72 @@
+"""Tenants (issue 31): who a job is for, the Redis keys of API keys, quotas and usage.
+
+A tenant's name appears inside Redis key names (rate counters, usage buckets), so it obeys the
+job-id alphabet: no ':' (it could spell another key) and no braces (it could move a key out of
+its hash tag). Every key here is in the prefix's control-plane slot `{<prefix>}` (or the job's
+own `{<id>}`), so one script touches one Cluster slot. Stdlib only, like schemas/keys.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+from .keys import Keys
+
+DEFAULT_TENANT = "default"  # a job that names no tenant (and every `--api-key` key's jobs)
+TENANT_CHARS = r"[A-Za-z0-9_.\-]{1,64}"
+TENANT_RE = re.compile(f"^{TENANT_CHARS}$")
+
+# Wire numbers (docs/protocol.md, "Tenants").
+API_KEY_TTL_S = 365 * 86400  # a key's default lifetime; `genpool keys create --days` changes it
+KEY_CACHE_S = 2.0  # a gateway trusts a looked-up key this long: a revoke acts within it (+ a hop)
+RATE_WINDOW_S = 60  # requests / tokens per minute: fixed one-minute windows
+USAGE_BUCKET_S = 3600  # usage is counted in hourly buckets ...
+USAGE_TTL_S = 90 * 86400  # ... kept this long
+
+
+def check_tenant(tenant: str) -> str:
+    if not (isinstance(tenant, str) and TENANT_RE.match(tenant)):
+        raise ValueError(f"invalid tenant {str(tenant)[:80]!r}: use 1-64 of [A-Za-z0-9_.-]")
+    return tenant
+
+
+def tenant_arg(text: str) -> str:
+    """argparse type of a --tenant option (its message names the rule)."""
+    import argparse
+
+    try:
+        return check_tenant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def key_digest(secret: str) -> str:
+    """What Redis stores of an API key: its SHA-256 (a key is random, 256 bits: no salt is
+    needed, and the digest lets every gateway find it in one lookup)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class TenantKeys:
+    """Key names of the tenant features for one deployment prefix (all in `{<prefix>}`)."""
+
+    def __init__(self, keys: Keys):
+        self.prefix, self.tag = keys.prefix, keys.tag
+
+    def api_key(self, digest: str) -> str:
+        """String: the JSON ApiKey record of the key whose SHA-256 is `digest`; TTL = its life."""
+        return f"{self.prefix}:apikey:{self.tag}:{digest}"
+
+    @property
+    def api_keys(self) -> str:
+        """Hash: key id -> digest, for `genpool keys list|revoke` (TTL: the longest key's)."""
+        return f"{self.prefix}:apikeys:{self.tag}"
+
+    def rate(self, tenant: str, what: str, window: int) -> str:
+        """Counter of `what` (requests | tokens) of `tenant` in one RATE_WINDOW_S window."""
+        return f"{self.prefix}:rate:{self.tag}:{check_tenant(tenant)}:{what}:{window}"
+
+    def usage(self, hour: int) -> str:
+        """Hash of one USAGE_BUCKET_S bucket (hour = epoch seconds // USAGE_BUCKET_S):
+        `<tenant>:prompt|completion|jobs` -> count. One key per hour, not per tenant, so
+        `genpool usage` reads an hour in one HGETALL."""
+        return f"{self.prefix}:usage:{self.tag}:{hour}"
