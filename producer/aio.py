@@ -18,6 +18,7 @@ from genpool.schemas.scripting import apipelined
 from genpool.schemas.tenants import check_tenant
 from genpool.schemas.workers import WorkerInfo
 
+from . import openai_tools
 from .client import CANCEL, CANCEL_FLAG, PIPELINE_CHUNK, SUBMIT, SUBMIT_JOB, SUBMIT_UNDO, added, lane_refused
 from .errors import JobFailed
 from .liveness import live_workers_async, serving
@@ -73,8 +74,9 @@ class AsyncJob:
     QueueUnavailable; a cancelled job's result keeps its streamed text)."""
 
     def __init__(self, client: "AsyncClient", job_id: str, duplicate: bool = False,
-                 model: Optional[str] = None):
+                 model: Optional[str] = None, tools: Optional[openai_tools.Tools] = None):
         self.client, self.id, self.duplicate, self.model = client, job_id, duplicate, model
+        self.tools = tools  # how to read the answer (producer/openai_tools.py)
         self._final: Optional[JobResult] = None
 
     def __repr__(self) -> str:
@@ -125,8 +127,9 @@ class AsyncJob:
             for ev in replay.feed(raw):
                 if ev.type in TERMINAL:
                     t = replay.tracks.get(0)
-                    self._final = final_result(self.id, ev, t.text if t else "",
-                                               t.ids if t else [], raise_on_error=False)
+                    self._final = openai_tools.attach(self.tools, final_result(
+                        self.id, ev, t.text if t else "", t.ids if t else [],
+                        raise_on_error=False))
                 else:
                     yield ev
         if raise_on_error and self._final is not None and self._final.finish_reason is None \
@@ -136,7 +139,8 @@ class AsyncJob:
     async def result(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
                      no_worker_s: Optional[float] = None) -> JobResult:
         if self._final is None:
-            self._final = await self._wait_final(timeout, no_worker_s)
+            self._final = openai_tools.attach(self.tools,
+                                              await self._wait_final(timeout, no_worker_s))
         if raise_on_error and self._final.error is not None and self._final.finish_reason is None:
             raise JobFailed(self._final)
         return self._final
@@ -210,6 +214,7 @@ class AsyncClient:
         return self.keys
 
     async def submit(self, prompt: Optional[str] = None, **kwargs: Any) -> AsyncJob:
+        tools = openai_tools.prepare(kwargs)  # as the sync Client's submit
         req = build_request(prompt, **{"tenant": self.tenant, **kwargs})
         keys = await self.lane_keys()
         if self.cluster:
@@ -218,9 +223,11 @@ class AsyncClient:
             entry = await _retrying(lambda: SUBMIT.acall(
                 self.redis, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
                 submit_args(req, self.job_ttl_s)))
-        return AsyncJob(self, req.id, duplicate=entry is None, model=req.model)
+        return AsyncJob(self, req.id, duplicate=entry is None, model=req.model, tools=tools)
 
     async def submit_many(self, requests: list[dict]) -> list[AsyncJob]:
+        requests = [dict(r) for r in requests]
+        tools = [openai_tools.prepare(r) for r in requests]  # as in submit
         reqs = [build_request(**{"tenant": self.tenant, **dict(r)}) for r in requests]
         keys = await self.lane_keys()
         send = self._enqueue_cluster if self.cluster else self._submit_chunk
@@ -228,8 +235,8 @@ class AsyncClient:
         for i in range(0, len(reqs), PIPELINE_CHUNK):
             chunk = reqs[i:i + PIPELINE_CHUNK]
             entries = await _retrying(lambda chunk=chunk: send(chunk, keys))
-            jobs += [AsyncJob(self, q.id, duplicate=e is None, model=q.model)
-                     for q, e in zip(chunk, entries)]
+            jobs += [AsyncJob(self, q.id, duplicate=e is None, model=q.model, tools=t)
+                     for q, e, t in zip(chunk, entries, tools[i:i + PIPELINE_CHUNK])]
         return jobs
 
     async def _submit_chunk(self, chunk: list, keys: Keys) -> list:

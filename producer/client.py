@@ -29,6 +29,7 @@ from genpool.schemas.scripts import (
 from genpool.schemas.tenants import check_tenant
 from genpool.schemas.workers import WorkerInfo
 
+from . import openai_tools
 from .errors import JobFailed
 from .liveness import live_workers, serving
 from .protocol import (
@@ -63,11 +64,13 @@ class Job:
     `result()` raises JobFailed when the job failed (`raise_on_error=False` returns the JobResult
     with `.error` instead); a cancelled job's result keeps the text streamed before the cancel,
     with finish_reason "cancelled". Waits raise NoWorkers (a TimeoutError) when they end while no
-    live worker serves the job's model, and QueueUnavailable when Redis stays away (errors.py)."""
+    live worker serves the job's model, and QueueUnavailable when Redis stays away (errors.py).
+    A job submitted with `tools` has its results' `tool_calls` and `content` filled in."""
 
     def __init__(self, client: "Client", job_id: str, duplicate: bool = False,
-                 model: Optional[str] = None):
+                 model: Optional[str] = None, tools: Optional[openai_tools.Tools] = None):
         self.client, self.id, self.duplicate, self.model = client, job_id, duplicate, model
+        self.tools = tools  # how to read the answer (producer/openai_tools.py)
         self._final: Optional[JobResult] = None
 
     def __repr__(self) -> str:
@@ -120,8 +123,9 @@ class Job:
             for ev in replay.feed(raw):
                 if ev.type in TERMINAL:
                     t = replay.tracks.get(0)
-                    self._final = final_result(self.id, ev, t.text if t else "",
-                                               t.ids if t else [], raise_on_error=False)
+                    self._final = openai_tools.attach(self.tools, final_result(
+                        self.id, ev, t.text if t else "", t.ids if t else [],
+                        raise_on_error=False))
                 else:
                     yield ev
         if raise_on_error and self._final is not None and self._final.finish_reason is None \
@@ -131,7 +135,7 @@ class Job:
     def result(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
                no_worker_s: Optional[float] = None) -> JobResult:
         if self._final is None:
-            self._final = self._wait_final(timeout, no_worker_s)
+            self._final = openai_tools.attach(self.tools, self._wait_final(timeout, no_worker_s))
         if raise_on_error and self._final.error is not None and self._final.finish_reason is None:
             raise JobFailed(self._final)
         return self._final
@@ -244,7 +248,9 @@ class Client:
         return self.keys
 
     def submit(self, prompt: Optional[str] = None, **kwargs: Any) -> Job:
-        """kwargs: messages, model, priority, job_id, deadline, metadata, and SamplingParams names."""
+        """kwargs: messages, model, priority, job_id, deadline, metadata, and SamplingParams
+        names; OpenAI's tools, tool_choice and parallel_tool_calls with messages."""
+        tools = openai_tools.prepare(kwargs)  # a plain chat job, and how to read its answer
         req = build_request(prompt, **{"tenant": self.tenant, **kwargs})
         keys = self.lane_keys()
         if self.cluster:
@@ -253,10 +259,12 @@ class Client:
             entry = _retrying(lambda: SUBMIT(
                 self.redis, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
                 submit_args(req, self.job_ttl_s)))
-        return Job(self, req.id, duplicate=entry is None, model=req.model)
+        return Job(self, req.id, duplicate=entry is None, model=req.model, tools=tools)
 
     def submit_many(self, requests: list[dict]) -> list[Job]:
         """Validate all, then enqueue in pipelined chunks (one round trip per chunk)."""
+        requests = [dict(r) for r in requests]
+        tools = [openai_tools.prepare(r) for r in requests]  # as in submit
         reqs = [build_request(**{"tenant": self.tenant, **dict(r)}) for r in requests]
         self.lane_keys()
         send = self._enqueue_cluster if self.cluster else self._submit_chunk
@@ -264,8 +272,8 @@ class Client:
         for i in range(0, len(reqs), PIPELINE_CHUNK):
             chunk = reqs[i:i + PIPELINE_CHUNK]
             entries = _retrying(lambda chunk=chunk: send(chunk))
-            jobs += [Job(self, q.id, duplicate=e is None, model=q.model)
-                     for q, e in zip(chunk, entries)]
+            jobs += [Job(self, q.id, duplicate=e is None, model=q.model, tools=t)
+                     for q, e, t in zip(chunk, entries, tools[i:i + PIPELINE_CHUNK])]
         return jobs
 
     def map(self, items, concurrency: int = 16, **common):

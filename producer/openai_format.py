@@ -182,22 +182,13 @@ def _messages(raw: Any, tools: Optional[openai_tools.Tools] = None) -> list[dict
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}] must be an object", param=f"messages.{i}")
         role = "system" if m.get("role") == "developer" else m.get("role")
-        content = _content(m.get("content"), i)
-        if role == "assistant" and m.get("tool_calls"):  # as the model wrote them (Hermes)
-            try:
-                calls = [openai_tools.render_call(c, j) for j, c in enumerate(m["tool_calls"])]
-            except (openai_tools.ToolError, TypeError) as e:
-                raise APIError(400, f"messages[{i}]: {e}", param=f"messages.{i}.tool_calls",
-                               code="invalid_value") from None
-            content = "\n".join(filter(None, [content, *calls]))
-        out.append({"role": role, "content": content})
-    if tools is not None and tools.active:  # the tools go into the system message
-        text = openai_tools.system_text(tools)
-        if out[0]["role"] == "system" and isinstance(out[0]["content"], str):
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
-        else:
-            out.insert(0, {"role": "system", "content": text})
-    return out
+        out.append({"role": role, "content": _content(m.get("content"), i)})
+        if role == "assistant" and m.get("tool_calls"):
+            out[-1]["tool_calls"] = m["tool_calls"]
+    try:  # calls as the model writes them (Hermes), the tools in the system message
+        return openai_tools.render_messages(out, tools)
+    except openai_tools.ToolError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 def _content(content: Any, i: int) -> Any:

@@ -12,6 +12,8 @@ results are rendered in the same format, then through the model's chat template.
 Bad tools (no name, a duplicate, an invalid schema, too many or too big, an unknown named
 choice) are 400s naming the tool. One call per answer when constrained (`parallel_tool_calls` is
 accepted; the constraint allows one).
+The Python clients and the Celery task take the same fields (`prepare` before the job is built,
+`attach` on its result): the job on the wire is a plain chat job, so workers know nothing of tools.
 """
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from genpool.schemas import JobResult
+from genpool.schemas.events import ToolCall
+from genpool.schemas.request import ChatMessage
+
+FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # what `prepare` takes out of submit kwargs
 MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 256 << 10  # their JSON, all together
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -122,6 +129,38 @@ def render_call(call: Any, i: int) -> str:
     return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
 
 
+def render_messages(messages: list, tools: Optional[Tools]) -> list:
+    """Chat messages as the model reads them: an assistant message's `tool_calls` written into
+    its content (Hermes), a tool result's `tool_call_id` / `name` dropped (the template has no
+    place for them), and the tools listed in the system message when they are shown."""
+    out = [m.model_dump() if isinstance(m, ChatMessage) else m for m in messages]
+    for i, m in enumerate(out):
+        if not isinstance(m, dict):
+            continue  # the job's own validation names it
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if calls:
+            if not isinstance(calls, list):
+                raise ToolError(f"messages[{i}]: tool_calls must be a list",
+                                f"messages.{i}.tool_calls")
+            try:
+                written = [render_call(c, j) for j, c in enumerate(calls)]
+            except ToolError as e:
+                raise ToolError(f"messages[{i}]: {e}", f"messages.{i}.tool_calls") from None
+            content = m.get("content")
+            out[i] = {"role": "assistant", "content": "\n".join(filter(None, [content, *written]))}
+        elif "tool_calls" in m or "tool_call_id" in m or ("name" in m and m.get("role") == "tool"):
+            out[i] = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id", "name")}
+    if tools is not None and tools.active and out:  # the tools go into the system message
+        text = system_text(tools)
+        first = out[0]
+        if isinstance(first, dict) and first.get("role") == "system" \
+                and isinstance(first.get("content"), str):
+            out[0] = {"role": "system", "content": f"{first['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
 def constraint(tools: Tools) -> Optional[dict]:
     """For required / a named tool: structured_outputs for exactly one call."""
     if not tools.constrained:
@@ -172,10 +211,11 @@ def constrain(tools: Tools, kw: dict) -> None:
     so = constraint(tools)
     if not so:
         return
-    if kw.get("structured_outputs") or (kw.get("response_format") or {}).get("type",
-                                                                             "text") != "text":
+    if kw.get("structured_outputs") or kw.get("json_schema") is not None or (
+            kw.get("response_format") or {}).get("type", "text") != "text":
         raise ToolError("tool_choice required or a named tool constrains the answer; it cannot "
-                        "be combined with response_format or structured_outputs", "tool_choice")
+                        "be combined with response_format, structured_outputs or json_schema",
+                        "tool_choice")
     kw["structured_outputs"] = so
 
 
@@ -232,3 +272,39 @@ def chunks(chunk: Callable[..., dict], content: Optional[str], calls: list[dict]
             c["choices"][0]["delta"] = {"tool_calls": [delta]}
             out.append(c)
     return out
+
+
+# -- the Python clients and the Celery task ----------------------------------------------------
+def prepare(kw: dict) -> Optional[Tools]:
+    """Client.submit kwargs with OpenAI's tool fields (FIELDS) taken out and applied as the
+    gateway applies them: the tools shown in the system message, a required or named choice
+    constraining the answer, assistant tool calls and tool results rendered. The job stays a
+    plain chat job. ToolError (a ValueError) names a bad field."""
+    body = {k: kw.pop(k) for k in FIELDS if k in kw}
+    tools = parse(body)
+    messages = kw.get("messages")
+    if tools is not None and tools.active and not messages:
+        raise ToolError("tools need a chat job: give messages, not a prompt", "messages")
+    if tools is not None:
+        constrain(tools, kw)
+    if messages:
+        kw["messages"] = render_messages(messages, tools)
+    return tools
+
+
+def attach(tools: Optional[Tools], res: JobResult) -> JobResult:
+    """A finished job's result with each answer split (`split`) into `content` and `tool_calls`
+    in OpenAI's shape; unchanged without active tools or when the job failed."""
+    if tools is None or not tools.active or (res.error is not None and not res.finish_reason):
+        return res
+
+    def parts(text: str) -> dict:
+        content, calls = split(tools, text)
+        return {"content": content,
+                "tool_calls": [ToolCall.model_validate(c) for c in calls] or None}
+    if not res.choices:
+        return res.model_copy(update=parts(res.text))
+    choices = [c.model_copy(update=parts(c.text)) for c in res.choices]
+    first = choices[0]  # the top level is completion 0: the same calls, ids included
+    return res.model_copy(update={"choices": choices, "content": first.content,
+                                  "tool_calls": first.tool_calls})

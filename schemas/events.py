@@ -91,6 +91,21 @@ class Timings(BaseModel):
     ttft_steps: Optional[int] = None
 
 
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """One tool call in OpenAI's shape. Never on the wire: the Python client parses them out of
+    the answer of a job submitted with `tools` (producer/openai_tools.py)."""
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class Choice(BaseModel):
     model_config = ConfigDict(extra="ignore")
     index: int
@@ -99,6 +114,10 @@ class Choice(BaseModel):
     finish_reason: Optional[FinishReason] = None
     logprobs: Optional[list[dict[str, float]]] = None  # as TokenEvent's, one map per token
     token_texts: Optional[dict[str, str]] = None  # as TokenEvent's
+    # Only for a job submitted with `tools` through the Python client (workers never set them):
+    # the calls parsed out of `text`, and the text outside them (None when it is only calls).
+    tool_calls: Optional[list[ToolCall]] = None
+    content: Optional[str] = None
 
 
 class ResultEvent(_Wire):
@@ -157,6 +176,8 @@ class JobResult(BaseModel):
     worker: Optional[str] = None
     logprobs: Optional[list[dict[str, float]]] = None
     token_texts: Optional[dict[str, str]] = None
+    tool_calls: Optional[list[ToolCall]] = None  # completion 0's, as Choice's (tools only)
+    content: Optional[str] = None  # as Choice's (tools only)
     error: Optional[ErrorEvent] = None
 
     @property
