@@ -141,8 +141,10 @@ class GenerationError(Exception):
 def generate(self, prompt: Optional[str] = None, *, raise_on_error: bool = True,
              **fields: Any) -> dict:
     """Same fields as `producer.Client.submit`: prompt or messages, SamplingParams names, model,
-    priority, deadline, job_id (default: this task's id), metadata. Returns a JSON dict: job_id,
-    text, token_ids, finish_reason, usage, timings, choices, worker, error (null). A job that ends
+    priority, deadline, job_id (default: this task's id), metadata; OpenAI's tools, tool_choice
+    and parallel_tool_calls with messages. Returns a JSON dict: job_id, text, token_ids,
+    finish_reason, usage, timings, choices, worker, error (null); with tools also tool_calls
+    (OpenAI's shape, or null) and content, per choice too. A job that ends
     in an error raises GenerationError (state FAILURE), or with raise_on_error=False returns the
     dict with `error` set; a cancelled or expired job is REVOKED. A priority below the
     gateway's ceiling (schemas.request.CALLER_PRIORITY_CEILING) fails the task."""
