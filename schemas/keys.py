@@ -196,6 +196,45 @@ class Keys:
         rewritten about every second, with a TTL)."""
         return f"{self.prefix}:route:{self.tag}:blocks:{name}"
 
+    # -- the OpenAI Files and Batch API (issue 32; schemas/batches.py, schemas/batch_scripts.py).
+    # A file's keys share `{<file id>}`, a batch's `{<batch id>}` (ids use the job-id alphabet);
+    # the listings are in `{<prefix>}`.
+    def file(self, file_id: str) -> str:
+        """Hash: `record` (JSON FileRecord) and `content` (the file's text), with a TTL."""
+        return f"{self.prefix}:file:{{{check_job_id(file_id)}}}"
+
+    @property
+    def files(self) -> str:
+        """Sorted set: file id -> created_at (the listing; ids whose file expired are pruned)."""
+        return f"{self.prefix}:files:{self.tag}"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: `record` (JSON BatchRecord) and the mutable fields (status, stamps, counts)."""
+        return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}"
+
+    def batch_lines(self, batch_id: str) -> str:
+        """Hash: job id -> JSON {n: line number, obj: the input line} of each line submitted
+        and not yet answered."""
+        return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}:lines"
+
+    def batch_done(self, batch_id: str) -> str:
+        """Hash: custom_id -> JSON output or error line: each custom_id answered once (HSETNX)."""
+        return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}:done"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String: the token of the gateway that drives the batch, with a PX TTL."""
+        return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}:lease"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set: batch id -> created_at (the listing)."""
+        return f"{self.prefix}:batches:{self.tag}"
+
+    @property
+    def batches_active(self) -> str:
+        """Sorted set: batch id -> expires_at of every batch not yet ended (what drivers scan)."""
+        return f"{self.prefix}:batches:{self.tag}:active"
+
 
 # -- what these keys need from the server --------------------------------------------------------
 # Lane streams hold the queued jobs, job hashes each job's state and lease; those hashes and the

@@ -1,0 +1,274 @@
+"""The batch driver: every gateway runs one; it turns batches' lines into bulk-lane jobs and their
+results into output and error files. It keeps nothing of its own: all it knows is in Redis, so
+any gateway takes over a batch whose driver died and goes on from where it was.
+
+- One driver per batch at a time: a lease (`Keys.batch_lease`, BATCH_LEASE_MS), renewed as it
+  works; every state write checks it (schemas/batch_scripts.py), so a driver that lost its batch
+  to another writes nothing more.
+- Exactly one answer per custom_id: answers go into the batch's done hash with HSETNX, and the
+  files are made from that hash. A line's job id is derived from (batch id, custom_id), so a
+  second expansion after a crash submits the same ids, which the queue runs once.
+- Batches are visited earliest window end first (`Keys.batches_active` is scored by it).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Optional
+
+from genpool.schemas import JobResult
+from genpool.schemas.batch_scripts import BATCH_ANSWER_LUA, BATCH_LEASE_LUA, BATCH_RELEASE_LUA
+from genpool.schemas.batches import (
+    BATCH_LEASE_MS,
+    BATCH_TICK_S,
+    TERMINAL_BATCH,
+    UNRUN_CODE,
+    BatchView,
+)
+from genpool.schemas.scripting import Script
+
+from . import batch_lines as bl
+from .aio import AsyncClient
+from .batch_files import write_results
+from .batch_store import BatchStore, FileStore, batch_ttl_s
+from .liveness import live_workers_async
+from .openai_format import APIError
+from .protocol import last_terminal, terminal_from_hash
+
+log = logging.getLogger("genpool.gateway")
+LEASE, RELEASE, ANSWER = Script(BATCH_LEASE_LUA), Script(BATCH_RELEASE_LUA), Script(BATCH_ANSWER_LUA)
+CHUNK = 500  # lines per round trip
+CANCEL_GRACE_S = 10.0  # a cancelled batch waits this long for its running jobs to stop
+
+
+class LeaseLost(Exception):
+    """Another gateway drives this batch now."""
+
+
+class BatchDriver:
+    def __init__(self, client: AsyncClient, files: FileStore, batches: BatchStore, *,
+                 lease_ms: int = BATCH_LEASE_MS, tick_s: float = BATCH_TICK_S):
+        self.client, self.r, self.keys = client, client.redis, client.keys
+        self.files, self.batches = files, batches
+        self.lease_ms, self.tick_s = lease_ms, tick_s
+        self.token = uuid.uuid4().hex  # this gateway's name on the leases it holds
+        self.wake = asyncio.Event()
+
+    async def run(self) -> None:
+        """The background loop: never ends on an error (a lost Redis, a bad record) but logs it."""
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the gateway's other routes must go on
+                log.exception("batch driver: a pass over the active batches failed")
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.tick_s)
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
+
+    async def tick(self) -> None:
+        for bid in await self.r.zrange(self.keys.batches_active, 0, -1):
+            if await LEASE.acall(self.r, [self.keys.batch_lease(bid)], [self.token,
+                                                                        self.lease_ms]) != 1:
+                continue  # another gateway drives it
+            try:
+                await self.drive(bid)
+            except LeaseLost:
+                log.info("batch %s: its lease went to another gateway", bid)
+
+    async def renew(self, bid: str) -> None:
+        if await LEASE.acall(self.r, [self.keys.batch_lease(bid)],
+                             [self.token, self.lease_ms]) != 1:
+            raise LeaseLost(bid)
+
+    async def drive(self, bid: str) -> None:
+        """One step of one batch, from whatever state Redis holds."""
+        view = await self.batches.get(bid)
+        if view is None or view.status in TERMINAL_BATCH:
+            await self.retire(bid)
+            return
+        if view.status in ("validating", "in_progress") and time.time() >= view.record.expires_at:
+            await self.expire(bid, view)
+        elif view.status == "validating":
+            await self.expand(bid, view)
+        elif view.status == "in_progress":
+            await self.collect(bid, view)
+            if not await self.r.hlen(self.keys.batch_lines(bid)):
+                await self.move(bid, ("in_progress",), "finalizing", "finalizing_at")
+                await self.finish(bid, view, "completed")
+        elif view.status == "finalizing":
+            await self.finish(bid, view, "completed")
+        elif view.status == "cancelling":
+            await self.cancelling(bid, view)
+
+    async def move(self, bid: str, leave: tuple, to: str, stamp: str, **fields) -> bool:
+        moved, _ = await self.batches.move(bid, self.token, leave, to, stamp, **fields)
+        if moved < 0:
+            raise LeaseLost(bid)
+        return moved == 1
+
+    async def answer(self, bid: str, cid: str, lineno: int, ok: bool, line: dict,
+                     job_id: str, ttl_s: int) -> None:
+        k = self.keys
+        got = await ANSWER.acall(self.r, [k.batch_lease(bid), k.batch(bid), k.batch_done(bid),
+                                          k.batch_lines(bid)],
+                                 [self.token, cid, bl.stored(lineno, ok, line),
+                                  "completed" if ok else "failed", job_id, ttl_s])
+        if got == -1:
+            raise LeaseLost(bid)
+
+    async def input_lines(self, view: BatchView):
+        """(line number, parsed object) of each line of the batch's input (None: deleted)."""
+        text = await self.files.content(view.record.input_file_id)
+        if text is None:
+            return None
+        return [(n, json.loads(raw)) for n, raw in enumerate(text.splitlines(), 1)
+                if raw.strip()]
+
+    async def expand(self, bid: str, view: BatchView) -> None:
+        """Every line not yet answered: a job on the bulk lane, or an error line now."""
+        rec, ttl = view.record, batch_ttl_s(view.record)
+        lines = await self.input_lines(view)
+        if lines is None:
+            await self.move(bid, ("validating",), "failed", "failed_at", errors=json.dumps(
+                [{"code": "input_file_missing", "message": f"the input file "
+                  f"{rec.input_file_id} was deleted before the batch ran"}]))
+            return
+        done = set(await self.r.hkeys(self.keys.batch_done(bid)))
+        live = await live_workers_async(self.r, self.keys)
+        pending: dict[str, str] = {}
+        submits: list[dict] = []
+        for n, obj in lines:
+            if obj["custom_id"] in done:
+                continue
+            jid = bl.line_job_id(bid, obj["custom_id"])
+            try:
+                req = bl.to_request(obj, rec, live)
+            except APIError as e:
+                await self.answer(bid, obj["custom_id"], n, False,
+                                  bl.http_error(jid, obj["custom_id"], e), "", ttl)
+                continue
+            pending[jid] = json.dumps({"n": n, "obj": obj})
+            submits.append(req.kwargs)
+            if len(submits) >= CHUNK:
+                await self.submit(bid, pending, submits, ttl)
+        await self.submit(bid, pending, submits, ttl)
+        await self.move(bid, ("validating",), "in_progress", "in_progress_at")
+
+    async def submit(self, bid: str, pending: dict, submits: list, ttl: int) -> None:
+        """Lines are recorded before their jobs are submitted: a crash between the two leaves
+        lines the next driver submits again (idempotent ids), never a job nobody collects."""
+        if not submits:
+            return
+        await self.renew(bid)
+        key = self.keys.batch_lines(bid)
+        await self.r.hset(key, mapping=pending)
+        await self.r.expire(key, ttl)
+        await self.client.submit_many(submits)
+        pending.clear()
+        submits.clear()
+
+    async def collect(self, bid: str, view: BatchView) -> dict[str, dict]:
+        """Answer every line whose job ended; returns the lines still running {job id: line}."""
+        waiting = {jid: json.loads(v) for jid, v in
+                   (await self.r.hgetall(self.keys.batch_lines(bid))).items()}
+        ids, ttl, lost = list(waiting), batch_ttl_s(view.record), []
+        for i in range(0, len(ids), CHUNK):
+            chunk = ids[i:i + CHUNK]
+            for jid, res in zip(chunk, await self.poll(chunk)):
+                if res is None:
+                    continue
+                if res is False:
+                    lost.append(waiting[jid])
+                    continue
+                line = waiting.pop(jid)
+                ok, out = bl.finished(jid, line["obj"], view.record, res)
+                await self.answer(bid, line["obj"]["custom_id"], line["n"], ok, out, jid, ttl)
+            await self.renew(bid)
+        if lost:  # Redis lost their jobs (a restart without persistence): same ids again
+            log.warning("batch %s: resubmitting %d jobs Redis no longer knows", bid, len(lost))
+            await self.client.submit_many([bl.parse_line_body(x["obj"], view.record).kwargs
+                                           for x in lost])
+        return waiting
+
+    async def poll(self, job_ids: list[str]) -> list:
+        """Per job: its JobResult when it ended, None while it runs, False when Redis lost it."""
+        pipe = self.r.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.hmget(self.keys.job(jid), "result", "error", "state")
+        out: list = []
+        for jid, (res, err, state) in zip(job_ids, await pipe.execute()):
+            final = terminal_from_hash(res, err)
+            if final is None and state is None:  # no hash: the stream may still say how it ended
+                final = last_terminal(await self.r.xrevrange(self.keys.events(jid), count=1))
+                out.append(JobResult.from_event(jid, final) if final else False)
+            else:
+                out.append(JobResult.from_event(jid, final) if final else None)
+        return out
+
+    async def stop_lines(self, bid: str, view: BatchView, waiting: dict, code: str) -> None:
+        """Cancel these lines' jobs and answer them `code` (a job that ends anyway is ignored:
+        its custom_id is answered already)."""
+        ttl = batch_ttl_s(view.record)
+        for jid, line in waiting.items():
+            await self.client.cancel(jid)
+            await self.answer(bid, line["obj"]["custom_id"], line["n"], False,
+                              bl.unrun(jid, line["obj"]["custom_id"], code), jid, ttl)
+
+    async def expire(self, bid: str, view: BatchView) -> None:
+        """Past the window: keep what finished, end the rest as batch_expired."""
+        waiting = await self.collect(bid, view)
+        await self.stop_lines(bid, view, waiting, "batch_expired")
+        await self.finish(bid, view, "expired")
+
+    async def cancelling(self, bid: str, view: BatchView) -> None:
+        """Cancel every job once; queued ones are answered at once, running ones get a grace to
+        stop (their results, if they finish first, are kept)."""
+        k = self.keys
+        sent = await self.r.hget(k.batch(bid), "cancel_sent")
+        if sent is None:
+            for jid in await self.r.hkeys(k.batch_lines(bid)):
+                await self.client.cancel(jid)
+            sent = f"{time.time():.3f}"
+            await self.r.hset(k.batch(bid), "cancel_sent", sent)
+        waiting = await self.collect(bid, view)
+        late = time.time() - float(sent) > CANCEL_GRACE_S
+        states = await self.job_states(list(waiting))
+        await self.stop_lines(bid, view, {j: x for j, x in waiting.items()
+                                          if late or states[j] != "running"}, "batch_cancelled")
+        if not await self.r.hlen(k.batch_lines(bid)):
+            await self.finish(bid, view, "cancelled")
+
+    async def job_states(self, job_ids: list[str]) -> dict[str, Optional[str]]:
+        pipe = self.r.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.hget(self.keys.job(jid), "state")
+        return dict(zip(job_ids, await pipe.execute()))
+
+    async def finish(self, bid: str, view: BatchView, final: str) -> None:
+        """Answer lines that never ran (cancel, expiry), write the files, end the batch."""
+        lines = await self.input_lines(view) or []
+        code = UNRUN_CODE.get(final)
+        done = set(await self.r.hkeys(self.keys.batch_done(bid)))
+        for n, obj in lines:
+            if code and obj["custom_id"] not in done:
+                jid = bl.line_job_id(bid, obj["custom_id"])
+                await self.answer(bid, obj["custom_id"], n, False,
+                                  bl.unrun(jid, obj["custom_id"], code), jid,
+                                  batch_ttl_s(view.record))
+        await self.renew(bid)
+        ids = await write_results(self.r, self.keys, self.files, view)
+        leave = {"completed": ("finalizing",), "cancelled": ("cancelling",),
+                 "expired": ("validating", "in_progress")}[final]
+        await self.move(bid, leave, final, f"{final}_at", **ids)
+        await self.retire(bid)
+
+    async def retire(self, bid: str) -> None:
+        await self.r.zrem(self.keys.batches_active, bid)
+        await RELEASE.acall(self.r, [self.keys.batch_lease(bid)], [self.token])
