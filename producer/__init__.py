@@ -5,6 +5,7 @@ from genpool.schemas.config import key_prefix, redis_url
 from .aio import AsyncClient, AsyncJob
 from .client import Client, Job
 from .errors import JobFailed, NoWorkers, QueueUnavailable
+from .quotas import RateLimited
 
 __all__ = ["AsyncClient", "AsyncJob", "Client", "Job", "JobFailed", "JobResult", "NoWorkers",
-           "QueueUnavailable", "RestartEvent", "TokenEvent", "key_prefix", "redis_url"]
+           "QueueUnavailable", "RateLimited", "RestartEvent", "TokenEvent", "key_prefix", "redis_url"]

@@ -35,6 +35,7 @@ from .protocol import (
     submit_args,
     terminal_from_hash,
 )
+from .quotas import ProducerQuota
 from .replay import Gaps, Replay, read_events
 from .waiting import RECONNECT_S, Watch, final_result
 
@@ -185,7 +186,7 @@ class AsyncClient:
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,
                  redis_client: Optional[aredis.Redis] = None, job_ttl_s: int = JOB_TTL_S,
                  reconnect_s: float = RECONNECT_S,
-                 tenant: Optional[str] = None):
+                 tenant: Optional[str] = None, check_quota: bool = True):
         self.url = redis_url(url)
         self.reconnect_s = reconnect_s
         self.keys = Keys(key_prefix(prefix))
@@ -195,6 +196,8 @@ class AsyncClient:
         # the tenant of every job this client submits that names none (trusted producers only:
         # whoever holds the Redis URL may name any tenant; the gateway takes it from the key)
         self.tenant = None if tenant is None else check_tenant(tenant)
+        # a named tenant's requests / tokens per minute (off in the gateway: it checks its own)
+        self.quota = ProducerQuota(self.keys, check_quota)
         self._shards_known = False
 
     async def close(self) -> None:
@@ -216,6 +219,7 @@ class AsyncClient:
     async def submit(self, prompt: Optional[str] = None, **kwargs: Any) -> AsyncJob:
         tools = openai_tools.prepare(kwargs)  # as the sync Client's submit
         req = build_request(prompt, **{"tenant": self.tenant, **kwargs})
+        await self.quota.acheck(self.redis, req)  # RateLimited when over
         keys = await self.lane_keys()
         if self.cluster:
             (entry,) = await _retrying(lambda: self._enqueue_cluster([req], keys))
@@ -229,6 +233,8 @@ class AsyncClient:
         requests = [dict(r) for r in requests]
         tools = [openai_tools.prepare(r) for r in requests]  # as in submit
         reqs = [build_request(**{"tenant": self.tenant, **dict(r)}) for r in requests]
+        for req in reqs:
+            await self.quota.acheck(self.redis, req)
         keys = await self.lane_keys()
         send = self._enqueue_cluster if self.cluster else self._submit_chunk
         jobs: list[AsyncJob] = []

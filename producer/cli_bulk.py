@@ -74,6 +74,10 @@ def register_gateway(sub) -> None:
     p.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
                    help="accepted bearer keys (default $GENPOOL_API_KEYS, comma-separated; "
                         "none: no auth)")
+    p.add_argument("--stored-keys", action="store_true",
+                   help="also accept the keys of `genpool keys create` (hashed in Redis; each "
+                        "names a tenant, its models, its priority ceiling; its tenant's limits "
+                        "apply); a revoked one is refused within seconds")
     p.add_argument("--max-queue-depth", type=int, default=None,
                    help="answer 429 while more jobs than this wait for a worker (default: none: "
                         "no limit)")
@@ -130,7 +134,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                          no_worker_grace_s=a.no_worker_grace,
                          queue_without_workers=a.queue_without_workers, max_open=a.max_open,
                          max_open_per_client=a.max_open_per_client,
-                         idle_timeout_s=a.idle_timeout)
+                         idle_timeout_s=a.idle_timeout, stored_keys=a.stored_keys)
         config = server_config(app, a.host, a.port, header_timeout_s=a.header_timeout,
                                idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout,
                                log_level=a.log_level.lower())

@@ -45,6 +45,7 @@ from .protocol import (
     submit_args,
     terminal_from_hash,
 )
+from .quotas import ProducerQuota
 from .replay import Gaps, Replay, read_events
 from .waiting import RECONNECT_S, Watch, final_result
 
@@ -214,7 +215,7 @@ class Client:
     def __init__(self, url: Optional[str] = None, prefix: Optional[str] = None, *,
                  redis_client: Optional[redis.Redis] = None, job_ttl_s: int = JOB_TTL_S,
                  reconnect_s: float = RECONNECT_S,
-                 tenant: Optional[str] = None):
+                 tenant: Optional[str] = None, check_quota: bool = True):
         self.url = redis_url(url)
         self.reconnect_s = reconnect_s  # how long a waiting reader retries a lost Redis
         self.keys = Keys(key_prefix(prefix))
@@ -225,6 +226,8 @@ class Client:
         # the tenant of every job this client submits that names none (trusted producers only:
         # whoever holds the Redis URL may name any tenant; the gateway takes it from the key)
         self.tenant = None if tenant is None else check_tenant(tenant)
+        # a named tenant's requests / tokens per minute (off in the gateway: it checks its own)
+        self.quota = ProducerQuota(self.keys, check_quota)
         self._shards_known = False
         self._raw = None
 
@@ -252,6 +255,7 @@ class Client:
         names; OpenAI's tools, tool_choice and parallel_tool_calls with messages."""
         tools = openai_tools.prepare(kwargs)  # a plain chat job, and how to read its answer
         req = build_request(prompt, **{"tenant": self.tenant, **kwargs})
+        self.quota.check(self.redis, req)  # RateLimited when over
         keys = self.lane_keys()
         if self.cluster:
             (entry,) = _retrying(lambda: self._enqueue_cluster([req]))
@@ -266,6 +270,8 @@ class Client:
         requests = [dict(r) for r in requests]
         tools = [openai_tools.prepare(r) for r in requests]  # as in submit
         reqs = [build_request(**{"tenant": self.tenant, **dict(r)}) for r in requests]
+        for req in reqs:
+            self.quota.check(self.redis, req)
         self.lane_keys()
         send = self._enqueue_cluster if self.cluster else self._submit_chunk
         jobs: list[Job] = []

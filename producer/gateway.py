@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +50,7 @@ from .openai_format import (
     parse_body,
     scrub_paths,
 )
+from .tenancy import Principal, Tenancy
 
 log = logging.getLogger("genpool.gateway")
 
@@ -91,10 +91,11 @@ class Gateway:
                  max_connections: int, no_worker_grace_s: float = 5.0,
                  queue_without_workers: bool = False, *, max_open: int = MAX_OPEN,
                  max_open_per_client: int = MAX_OPEN_PER_CLIENT,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, stored_keys: bool = False):
         self.url, self.keys = redis_url(url), Keys(key_prefix(prefix))
         self.open, self.idle_timeout_s = OpenRequests(max_open, max_open_per_client), idle_timeout_s
         self.api_keys = [k.encode() for k in api_keys if k]
+        self.tenancy = Tenancy(self.keys, self.api_keys, stored_keys)  # producer/tenancy.py
         self.max_queue_depth, self.priority = max_queue_depth, priority
         self.default_model, self.max_connections = default_model, max_connections
         self.no_worker_grace_s, self.queue_without_workers = no_worker_grace_s, queue_without_workers
@@ -107,8 +108,10 @@ class Gateway:
         # BLOCK, and past the cap requests should wait for one rather than fail
         # (schemas/connection.py: per node in a cluster, uncapped behind Sentinel).
         self.client = AsyncClient(self.url, self.keys.prefix, redis_client=connect_async(
-            self.url, max_connections=self.max_connections, decode_responses=True))
+            self.url, max_connections=self.max_connections, decode_responses=True),
+            check_quota=False)  # producer/tenancy.py charges quotas, with OpenAI's headers
         await check_memory_policy(self.client.redis, log)  # an evicting Redis loses jobs
+        self.tenancy.start(self.client.redis)
 
     async def stop(self) -> None:
         if self.checks is not None:
@@ -125,21 +128,14 @@ class Gateway:
             return parse()  # no constraint: microseconds, not worth a thread hop
         return await asyncio.get_running_loop().run_in_executor(self.checks, parse)
 
-    def authorize(self, request: Request) -> None:
-        if not self.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        if not auth.lower().startswith("bearer ") or not auth[7:].strip():
-            raise APIError(401, "You didn't provide an API key. Send it in the Authorization "
-                                "header as 'Bearer KEY'.", code="invalid_api_key")
-        given = auth[7:].strip().encode()
-        if not any(hmac.compare_digest(given, k) for k in self.api_keys):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    async def authorize(self, request: Request) -> Principal:
+        """401 unless the request carries a key this gateway accepts (when it checks keys)."""
+        return await self.tenancy.principal(request.headers.get("authorization", ""))
 
     def caller(self, request: Request) -> str:
         """Whom the per-client bound counts: the API key when keys are checked (each key a caller),
         else the peer's address (behind a proxy, the one uvicorn's forwarded-allow-ips trusts)."""
-        if self.api_keys:
+        if self.tenancy.checks_keys:
             return "key:" + request.headers.get("authorization", "")[7:].strip()
         return "ip:" + (request.client.host if request.client else "unknown")
 
@@ -192,18 +188,19 @@ class Gateway:
         return found
 
     async def complete(self, request: Request, kind: str) -> Response:
-        self.authorize(request)
+        principal = await self.authorize(request)
         release = self.open.enter(self.caller(request))  # before the body: slow bodies count too
         streaming = False
         try:
-            resp = await self._complete(request, kind, release)
+            resp = await self._complete(request, kind, release, principal)
             streaming = isinstance(resp, ClosingStream)  # it releases when the stream ends
             return resp
         finally:
             if not streaming:
                 release()
 
-    async def _complete(self, request: Request, kind: str, release) -> Response:
+    async def _complete(self, request: Request, kind: str, release,
+                        principal: Principal) -> Response:
         body = await read_json(request, self.idle_timeout_s)
         req = await self.parse(kind, body)
         try:  # lower runs first: the server's value is a ceiling
@@ -219,17 +216,21 @@ class Gateway:
         live = await self.require_workers(req.kwargs.get("model"))
         if not req.kwargs.get("model"):  # answer with the name of the model that serves it
             req.model = _served_name(live) or req.model
+        headers = await self.tenancy.admit(principal, req, isinstance(body, dict) and "priority"
+                                           in body, self.client.redis)  # 429 when over quota
         job = await self.client.submit(**req.kwargs)
         try:
             if req.stream:
-                return await self.start_stream(request, job, req, release)
+                resp = await self.start_stream(request, job, req, release)
+                resp.headers.update(headers)
+                return resp
             res = await until_disconnect(request, job.result(raise_on_error=False))
         except ClientGone:
             await job.cancel()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed" code
         if res.error is not None:
             raise error_from_event(res.error)
-        return JSONResponse(completion_body(req, res))
+        return JSONResponse(completion_body(req, res), headers=headers)
 
     async def start_stream(self, request: Request, job: AsyncJob, req: OpenAIRequest,
                            release) -> Response:
@@ -294,12 +295,13 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
                max_connections: int = 1000, no_worker_grace_s: float = 5.0,
                queue_without_workers: bool = False, max_open: int = MAX_OPEN,
                max_open_per_client: int = MAX_OPEN_PER_CLIENT,
-               idle_timeout_s: float = IDLE_TIMEOUT_S) -> FastAPI:
+               idle_timeout_s: float = IDLE_TIMEOUT_S, stored_keys: bool = False) -> FastAPI:
     """The gateway app. Served by `genpool gateway`, it also gets the connection timeouts of
     producer/gateway_http.py (header, idle, send); another server must bring its own."""
     gw = Gateway(url, prefix, api_keys, max_queue_depth, priority, default_model,
                  max_connections, no_worker_grace_s, queue_without_workers, max_open=max_open,
-                 max_open_per_client=max_open_per_client, idle_timeout_s=idle_timeout_s)
+                 max_open_per_client=max_open_per_client, idle_timeout_s=idle_timeout_s,
+                 stored_keys=stored_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -313,12 +315,12 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
 
     @app.get("/v1/models")
     async def list_models(request: Request):
-        gw.authorize(request)
+        await gw.authorize(request)
         return {"object": "list", "data": await gw.models()}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
-        gw.authorize(request)
+        await gw.authorize(request)
         found = [m for m in await gw.models() if model_id == m["id"] or model_id in m["aliases"]]
         if not found:
             raise APIError(404, f"The model '{model_id}' does not exist", param="model",

@@ -61,9 +61,14 @@ class TenantKeys:
         """Hash: key id -> digest, for `genpool keys list|revoke` (TTL: the longest key's)."""
         return f"{self.prefix}:apikeys:{self.tag}"
 
-    def rate(self, tenant: str, what: str, window: int) -> str:
-        """Counter of `what` (requests | tokens) of `tenant` in one RATE_WINDOW_S window."""
-        return f"{self.prefix}:rate:{self.tag}:{check_tenant(tenant)}:{what}:{window}"
+    def limits(self, tenant: str) -> str:
+        """String: the JSON TenantLimits of `tenant` (every key of the tenant shares them)."""
+        return f"{self.prefix}:tenant:{self.tag}:{check_tenant(tenant)}:limits"
+
+    def rate(self, tenant: str) -> str:
+        """Hash: `window` (epoch seconds // RATE_WINDOW_S), `requests`, `tokens` of `tenant`
+        in that window (RATE_LUA resets it when a new window begins; TTL two windows)."""
+        return f"{self.prefix}:rate:{self.tag}:{check_tenant(tenant)}"
 
     def usage(self, hour: int) -> str:
         """Hash of one USAGE_BUCKET_S bucket (hour = epoch seconds // USAGE_BUCKET_S):

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "demo": "genpool.workers.cli.demo:register",
     "batch": "genpool.producer.cli_bulk:register_batch",
     "gateway": "genpool.producer.cli_bulk:register_gateway",
+    "keys": "genpool.producer.cli_keys:register_keys",
 }
 
 # One line per command for `genpool --help`, which imports no command module.
@@ -41,6 +42,7 @@ SUMMARIES: dict[str, str] = {
     "demo": "one-command tour: Redis, a worker and the model, then a streamed summary",
     "batch": "run an OpenAI Batch API .jsonl file through the pool (resumable)",
     "gateway": "OpenAI-compatible HTTP server in front of the pool (needs the `gateway` extra)",
+    "keys": "API keys (hashed in Redis): create, list, revoke; tenants' limits",
 }
 
 EPILOG = """exit codes: 0 ok, 1 the job failed, 2 bad usage or setup (the message says what to

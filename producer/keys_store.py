@@ -1,0 +1,111 @@
+"""API keys and tenants' limits as data in Redis (issue 31): `genpool keys`, the gateway's lookup.
+
+A key's secret is shown once, at creation; Redis keeps its SHA-256 as the record's key name
+(schemas/tenants.py), so anyone who reads Redis learns no usable key. A revoke deletes the
+record: every gateway stops accepting the key when its cache entry (KEY_CACHE_S) runs out.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Optional
+
+from genpool.schemas import Keys
+from genpool.schemas.tenant_records import ApiKey, TenantLimits
+from genpool.schemas.tenants import API_KEY_TTL_S, KEY_CACHE_S, TenantKeys, check_tenant, key_digest
+
+SECRET_PREFIX = "gp-"  # what a genpool key looks like (secret scanners can match it)
+CACHE_MAX = 10_000  # cached lookups per gateway; past it the cache starts over
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+class KeyStore:
+    """`genpool keys create|list|revoke` and tenants' limits, on a synchronous client."""
+
+    def __init__(self, r, keys: Keys):
+        self.r, self.t = r, TenantKeys(keys)
+
+    def create(self, tenant: str, models: list[str], priority_ceiling: int, name: str = "",
+               days: float = API_KEY_TTL_S / 86400) -> tuple[str, ApiKey]:
+        """(the secret, shown once; its record)."""
+        now, ttl = time.time(), max(1, int(days * 86400))
+        key = ApiKey(id="key_" + secrets.token_hex(6), tenant=check_tenant(tenant),
+                     models=list(models), priority_ceiling=priority_ceiling, name=name,
+                     created=now, expires=now + ttl)
+        secret = new_secret()
+        digest = key_digest(secret)
+        pipe = self.r.pipeline(transaction=True)  # record and index share {<prefix>}
+        pipe.set(self.t.api_key(digest), key.model_dump_json(), ex=ttl)
+        pipe.hset(self.t.api_keys, key.id, digest)
+        pipe.expire(self.t.api_keys, ttl, nx=True)  # the index lives as long as its longest key
+        pipe.expire(self.t.api_keys, ttl, gt=True)
+        pipe.execute()
+        return secret, key
+
+    def list(self) -> list[ApiKey]:
+        index = self.r.hgetall(self.t.api_keys)
+        ids = sorted(index)
+        records = self.r.mget([self.t.api_key(index[i]) for i in ids]) if ids else []
+        gone = [i for i, rec in zip(ids, records) if rec is None]  # expired keys
+        if gone:
+            self.r.hdel(self.t.api_keys, *gone)
+        return [ApiKey.model_validate_json(rec) for rec in records if rec is not None]
+
+    def revoke(self, key_id: str) -> bool:
+        digest = self.r.hget(self.t.api_keys, key_id)
+        if digest is None:
+            return False
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.t.api_key(digest))
+        pipe.hdel(self.t.api_keys, key_id)
+        return bool(pipe.execute()[0])
+
+    def set_limits(self, tenant: str, limits: TenantLimits) -> None:
+        self.r.set(self.t.limits(tenant), limits.model_dump_json(), ex=API_KEY_TTL_S)
+
+    def limits(self, tenant: str) -> TenantLimits:
+        raw = self.r.get(self.t.limits(tenant))
+        return TenantLimits() if raw is None else TenantLimits.model_validate_json(raw)
+
+    def find(self, secret: str) -> Optional[ApiKey]:
+        raw = self.r.get(self.t.api_key(key_digest(secret)))
+        return None if raw is None else ApiKey.model_validate_json(raw)
+
+
+class KeyCache:
+    """The gateway's lookups (asyncio client): a key, found or not, is trusted KEY_CACHE_S, so
+    a revoke acts within that on every gateway, and a flood of bad keys costs Redis one GET per
+    distinct key per KEY_CACHE_S. Entries are by digest: the cache holds no secret."""
+
+    def __init__(self, r, keys: Keys, ttl_s: float = KEY_CACHE_S):
+        self.r, self.t, self.ttl_s = r, TenantKeys(keys), ttl_s
+        self.found: dict[str, tuple[float, Optional[ApiKey]]] = {}
+        self.tenants: dict[str, tuple[float, TenantLimits]] = {}
+
+    async def key(self, secret: str) -> Optional[ApiKey]:
+        digest, now = key_digest(secret), time.monotonic()
+        hit = self.found.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        raw = await self.r.get(self.t.api_key(digest))
+        key = None if raw is None else ApiKey.model_validate_json(raw)
+        self._put(self.found, digest, key, now)
+        return key
+
+    async def limits(self, tenant: str) -> TenantLimits:
+        now = time.monotonic()
+        hit = self.tenants.get(tenant)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        raw = await self.r.get(self.t.limits(tenant))
+        limits = TenantLimits() if raw is None else TenantLimits.model_validate_json(raw)
+        self._put(self.tenants, tenant, limits, now)
+        return limits
+
+    def _put(self, cache: dict, name: str, value, now: float) -> None:
+        if len(cache) >= CACHE_MAX:
+            cache.clear()
+        cache[name] = (now + self.ttl_s, value)

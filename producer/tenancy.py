@@ -1,0 +1,96 @@
+"""The gateway's side of tenants (issue 31): who is calling, what its key allows, its quotas.
+
+`Tenancy.principal` turns an Authorization header into a Principal: a `--api-key` key (tenant
+"default", no limits) or a key stored in Redis (producer/keys_store.py). `Tenancy.admit` applies
+the key's models and priority ceiling, stamps the tenant on the job and counts the request
+against the tenant's requests and tokens per minute (producer/quotas.py), answering 429 with
+Retry-After and OpenAI's x-ratelimit-* headers when over. No message here holds a secret.
+"""
+from __future__ import annotations
+
+import hmac
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from genpool.schemas import Keys
+from genpool.schemas.tenant_records import ApiKey
+from genpool.schemas.tenants import DEFAULT_TENANT
+
+from .keys_store import KeyCache
+from .openai_format import APIError, OpenAIRequest
+from .quotas import CHARS_PER_TOKEN, RateLimited, acharge_cost
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: its tenant, and its stored key (None: a `--api-key` key or no auth)."""
+
+    tenant: str = DEFAULT_TENANT
+    key: Optional[ApiKey] = None
+
+
+def estimate_cost(kwargs: dict[str, Any]) -> int:
+    """producer/quotas.estimate_tokens for a parsed OpenAI request's submit arguments."""
+    text = kwargs.get("prompt") or ""
+    chars = len(text) + sum(len(m["content"]) for m in kwargs.get("messages") or [])
+    return math.ceil(chars / CHARS_PER_TOKEN) + kwargs["max_tokens"] * kwargs.get("n", 1)
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key")
+
+
+class Tenancy:
+    def __init__(self, keys: Keys, static_keys: list[bytes], stored_keys: bool):
+        self.keys, self.static, self.stored = keys, static_keys, stored_keys
+        self.cache: Optional[KeyCache] = None
+
+    @property
+    def checks_keys(self) -> bool:
+        return bool(self.static) or self.stored
+
+    def start(self, r) -> None:
+        self.cache = KeyCache(r, self.keys)
+
+    async def principal(self, authorization: str) -> Principal:
+        if not self.checks_keys:
+            return Principal()
+        if not authorization.lower().startswith("bearer ") or not authorization[7:].strip():
+            raise _unauthorized("You didn't provide an API key. Send it in the Authorization "
+                                "header as 'Bearer KEY'.")
+        given = authorization[7:].strip()
+        if any(hmac.compare_digest(given.encode(), k) for k in self.static):
+            return Principal()
+        key = await self.cache.key(given) if self.stored and self.cache is not None else None
+        if key is None:
+            raise _unauthorized("Incorrect API key provided.")
+        return Principal(key.tenant, key)
+
+    async def admit(self, principal: Principal, req: OpenAIRequest, asked_priority: bool,
+                    r) -> dict[str, str]:
+        """Apply the key's rules to `req` and charge its quota; the headers to answer with."""
+        key, kw = principal.key, req.kwargs
+        kw["tenant"] = principal.tenant
+        if key is None:
+            return {}
+        model = kw.get("model") or req.model  # a model-less request: the pool's one model
+        if not key.allows_model(model):
+            raise APIError(404, f"The model '{model}' does not "
+                                f"exist or this key may not use it", param="model",
+                           code="model_not_found")
+        if kw["priority"] < key.priority_ceiling:
+            if asked_priority:
+                raise APIError(400, f"priority {kw['priority']} is above what this key allows "
+                                    f"(lowest value {key.priority_ceiling})", param="priority",
+                               code="invalid_value")
+            kw["priority"] = key.priority_ceiling  # the gateway's default, lowered to the key's
+        limits = await self.cache.limits(principal.tenant)
+        if not limits.rated:
+            return {}
+        try:
+            verdict = await acharge_cost(r, self.keys, principal.tenant, estimate_cost(kw), limits)
+        except RateLimited as e:
+            raise APIError(429, str(e), type_="rate_limit_exceeded",
+                           code=f"rate_limit_{e.limit}", headers=e.verdict.headers()) from None
+        return verdict.headers()

@@ -1,0 +1,48 @@
+"""What Redis holds of API keys and tenants' limits (issue 31): JSON records, strictly typed.
+
+The key names are in schemas/tenants.py. An API key's secret is never stored, only its SHA-256
+(the record's Redis key); a record never holds the secret, so printing one leaks nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .request import CALLER_PRIORITY_CEILING
+from .tenants import DEFAULT_TENANT, TENANT_CHARS
+
+KEY_ID_CHARS = r"key_[0-9a-f]{12}"
+Limit = Optional[int]  # None: no limit
+
+
+class ApiKey(BaseModel):
+    """One API key (`genpool keys create`): whose it is and what it may do."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str = Field(pattern=f"^{KEY_ID_CHARS}$")  # names the key in `keys list|revoke`, logs
+    tenant: str = Field(default=DEFAULT_TENANT, pattern=f"^{TENANT_CHARS}$")
+    models: list[str] = Field(default_factory=list, max_length=64)  # empty: any model
+    # the most urgent priority its requests may ask for (lower runs sooner; lanes: keys.lane_for)
+    priority_ceiling: int = CALLER_PRIORITY_CEILING
+    name: str = Field(default="", max_length=200)  # a note for people: who holds it
+    created: float = 0.0
+    expires: float = 0.0
+
+    def allows_model(self, model: Optional[str]) -> bool:
+        return not self.models or model in self.models
+
+
+class TenantLimits(BaseModel):
+    """A tenant's quotas, shared by all its keys and by `Client(tenant=...)` producers."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    rpm: Limit = Field(default=None, ge=1)  # requests per minute
+    tpm: Limit = Field(default=None, ge=1)  # tokens per minute (prompt estimate + max_tokens)
+    max_concurrent: Limit = Field(default=None, ge=1)  # jobs running at once, pool-wide
+    max_queued: Limit = Field(default=None, ge=1)  # jobs waiting at once
+    weight: int = Field(default=1, ge=1, le=1000)  # its share in fair pull
+
+    @property
+    def rated(self) -> bool:
+        return self.rpm is not None or self.tpm is not None

@@ -1,0 +1,198 @@
+"""Issue 31, parts 2-3: API keys as data, tenant isolation of keys, and per-tenant quotas.
+
+Real Redis, a real gateway (uvicorn in a thread, the CLI's config) and an in-process worker on
+the fake engine; `genpool keys` runs as the CLI in a child process."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from genpool.producer import Client, RateLimited
+from genpool.producer.keys_store import KeyStore
+from genpool.schemas import Keys
+from genpool.schemas.connection import connect
+from genpool.schemas.tenant_records import TenantLimits
+from genpool.schemas.tenants import KEY_CACHE_S, RATE_WINDOW_S
+from tests.fake_engine import FakeEngine
+from tests.pool_helpers import ROOT, drop_prefix, new_prefix, worker_thread
+from tests.producer.test_gateway_limits import serve
+
+STATIC = "sk-static-test"
+
+
+def body(**kw) -> dict:
+    return {"model": "fake", "prompt": "hello", "max_tokens": 2, **kw}
+
+
+def fresh_window(r) -> None:
+    """Wait until at least 15 s of the server's current rate window remain (a test that counts
+    requests must not see the window turn under it)."""
+    secs, _ = r.time()
+    left = RATE_WINDOW_S - secs % RATE_WINDOW_S
+    if left < 15:
+        time.sleep(left + 0.2)
+
+
+@pytest.fixture()
+def store(redis_url):
+    prefix = new_prefix("keys")
+    r = connect(redis_url, decode_responses=True)
+    try:
+        yield KeyStore(r, Keys(prefix)), prefix
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
+
+
+def all_values(r, prefix: str) -> str:
+    out = []
+    for k in r.scan_iter(match=f"{prefix}*"):
+        out.append(k)
+        t = r.type(k)
+        out.append(str(r.get(k) if t == "string" else r.hgetall(k) if t == "hash" else ""))
+    return "\n".join(out)
+
+
+def test_a_key_is_stored_hashed_listed_without_its_secret_and_revoked(store, redis_url):
+    ks, prefix = store
+    secret, key = ks.create("acme", ["fake"], 0, name="team A")
+    assert secret.startswith("gp-") and len(secret) > 40
+    assert ks.find(secret) == key and ks.find(secret + "x") is None
+    assert [k.id for k in ks.list()] == [key.id]
+    assert secret not in all_values(ks.r, prefix)  # Redis holds the digest, never the secret
+    assert all(ks.r.ttl(k) > 0 for k in ks.r.scan_iter(match=f"{prefix}*"))
+    assert ks.revoke(key.id) and not ks.revoke(key.id)
+    assert ks.find(secret) is None and ks.list() == []
+
+
+def test_the_cli_prints_the_secret_once_and_never_again(store, redis_url):
+    ks, prefix = store
+    cli = [sys.executable, "-P", "-m", "genpool.workers.cli.main", "keys"]
+    conn = ["--redis", redis_url, "--prefix", prefix]
+    made = subprocess.run(cli + ["create", "--tenant", "acme", "--model", "fake"] + conn,
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.strip()
+    assert ks.find(secret).tenant == "acme" and secret not in made.stderr
+    listed = subprocess.run(cli + ["list", "--json"] + conn, cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert listed.returncode == 0 and "acme" in listed.stdout
+    assert secret not in listed.stdout + listed.stderr
+    bad = subprocess.run(cli + ["create", "--tenant", "a:b"] + conn, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid tenant" in bad.stderr
+
+
+@pytest.fixture()
+def gateway(redis_url):
+    """A gateway with a static key and stored keys, a fake-engine worker, and a KeyStore."""
+    from genpool.producer.gateway import create_app
+
+    prefix = new_prefix("gwkeys")
+    r = connect(redis_url, decode_responses=True)
+    app = create_app(redis_url, prefix, api_keys=[STATIC], stored_keys=True)
+    try:
+        with worker_thread(FakeEngine(max_num_seqs=8), redis_url, prefix), serve(app) as port:
+            yield f"http://127.0.0.1:{port}", KeyStore(r, Keys(prefix)), r, prefix
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
+
+
+def post(base: str, key: str, **kw) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", json=body(**kw), timeout=30,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def job_hash(r, prefix: str, response: httpx.Response) -> dict:
+    job_id = response.json()["id"].split("-", 1)[1]
+    return r.hgetall(Keys(prefix).job(job_id))
+
+
+def test_a_stored_key_submits_as_its_tenant_beside_static_keys(gateway):
+    base, ks, r, prefix = gateway
+    secret, _ = ks.create("acme", [], 1)
+    ok = post(base, secret)
+    assert ok.status_code == 200, ok.text
+    h = job_hash(r, prefix, ok)
+    assert h["tenant"] == "acme"
+    assert h["lane"] == "low"  # its ceiling 1 lowered the gateway's default priority
+    static = post(base, STATIC)
+    assert static.status_code == 200 and job_hash(r, prefix, static)["tenant"] == "default"
+    assert post(base, "gp-nope").status_code == 401
+    asked = post(base, secret, priority=-1)
+    assert asked.status_code == 400 and "priority" in asked.json()["error"]["message"]
+    assert secret not in asked.text
+
+
+def test_a_key_uses_only_its_models(gateway):
+    base, ks, _, _ = gateway
+    secret, _ = ks.create("acme", ["other-model"], -1)
+    r = post(base, secret)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_revoked_key_is_refused_within_five_seconds_on_a_running_gateway(gateway):
+    base, ks, _, _ = gateway
+    secret, key = ks.create("acme", [], -1)
+    assert post(base, secret).status_code == 200  # now cached by the gateway
+    ks.revoke(key.id)
+    t0 = time.monotonic()
+    while post(base, secret).status_code != 401:
+        assert time.monotonic() - t0 < 5, "a revoked key was still accepted after 5 s"
+        time.sleep(0.1)
+    assert time.monotonic() - t0 <= KEY_CACHE_S + 1
+
+
+def test_requests_per_minute_answer_429_with_openai_headers(gateway):
+    base, ks, r, _ = gateway
+    secret, _ = ks.create("acme", [], -1)
+    other, _ = ks.create("beta", [], -1)
+    ks.set_limits("acme", TenantLimits(rpm=3))
+    fresh_window(r)
+    got = [post(base, secret) for _ in range(4)]
+    assert [g.status_code for g in got] == [200, 200, 200, 429], [g.text for g in got]
+    assert got[2].headers["x-ratelimit-limit-requests"] == "3"
+    assert got[2].headers["x-ratelimit-remaining-requests"] == "0"
+    refused = got[3]
+    assert 1 <= int(refused.headers["retry-after"]) <= RATE_WINDOW_S
+    assert refused.headers["x-ratelimit-reset-requests"].endswith("s")
+    err = refused.json()["error"]
+    assert err["code"] == "rate_limit_requests" and "requests per minute" in err["message"]
+    assert post(base, other).status_code == 200  # another tenant is not held back
+
+
+def test_tokens_per_minute_count_the_prompt_and_max_tokens(gateway):
+    base, ks, r, _ = gateway
+    secret, _ = ks.create("acme", [], -1)
+    ks.set_limits("acme", TenantLimits(tpm=100))
+    fresh_window(r)
+    # "hello" is 2 estimated tokens: 2 + 40 = 42 each, so the third (126 > 100) is refused
+    got = [post(base, secret, max_tokens=40).status_code for _ in range(3)]
+    assert got == [200, 200, 429]
+    small = post(base, secret, max_tokens=10)  # 84 + 12 <= 100: still fits this minute
+    assert small.status_code == 200, small.text
+    assert small.headers["x-ratelimit-remaining-tokens"] == "4"
+
+
+def test_a_tenant_client_raises_a_clear_error_over_its_rate(redis_url):
+    prefix = new_prefix("tq")
+    r = connect(redis_url, decode_responses=True)
+    try:
+        KeyStore(r, Keys(prefix)).set_limits("acme", TenantLimits(rpm=2))
+        fresh_window(r)
+        c = Client(redis_url, prefix, tenant="acme")
+        c.submit("a")
+        c.submit("b")
+        with pytest.raises(RateLimited, match="requests per minute") as e:
+            c.submit("c")
+        assert e.value.limit == "requests" and 0 < e.value.retry_after_s <= RATE_WINDOW_S
+        Client(redis_url, prefix).submit("d")  # the default tenant is not limited here
+        c.close()
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
