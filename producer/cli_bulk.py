@@ -95,6 +95,7 @@ def register_gateway(sub) -> None:
     p.add_argument("--queue-without-workers", action="store_true",
                    help="queue requests even when no worker serves their model (they wait)")
     _gateway_limits(p)
+    _batch_args(p)
     p.add_argument("--log-level", default="info",
                    help="uvicorn log level: critical, error, warning, info, debug, trace")
     add_connection_args(p)
@@ -121,6 +122,27 @@ def _gateway_limits(p) -> None:
                         "cancel its job")
 
 
+def _batch_args(p) -> None:
+    """The Files and Batch API (producer/openai_batches.py)."""
+    p.add_argument("--max-file-bytes", type=int, default=64 << 20, metavar="N",
+                   help="the largest /v1/files upload (files are kept in Redis)")
+    p.add_argument("--batch-window", type=float, default=None, metavar="SECONDS",
+                   help="how long a batch's completion_window ('24h') lasts here (default: what it "
+                        "says; tests shorten it)")
+    p.add_argument("--no-batch-driver", action="store_true",
+                   help="serve the Batch API but run no batch driver here (other gateways drive "
+                        "the batches)")
+
+
+def _batch_options(a: argparse.Namespace):
+    from .openai_batches import BatchOptions
+
+    if a.max_file_bytes < 1 or (a.batch_window is not None and a.batch_window <= 0):
+        raise ValueError("--max-file-bytes and --batch-window must be > 0")
+    return BatchOptions(window_s=a.batch_window, max_file_bytes=a.max_file_bytes,
+                        drive=not a.no_batch_driver)
+
+
 def cmd_gateway(a: argparse.Namespace) -> int:
     import uvicorn
 
@@ -134,7 +156,8 @@ def cmd_gateway(a: argparse.Namespace) -> int:
                          no_worker_grace_s=a.no_worker_grace,
                          queue_without_workers=a.queue_without_workers, max_open=a.max_open,
                          max_open_per_client=a.max_open_per_client,
-                         idle_timeout_s=a.idle_timeout, stored_keys=a.stored_keys)
+                         idle_timeout_s=a.idle_timeout, stored_keys=a.stored_keys,
+                         batch=_batch_options(a))
         config = server_config(app, a.host, a.port, header_timeout_s=a.header_timeout,
                                idle_timeout_s=a.idle_timeout, send_timeout_s=a.send_timeout,
                                log_level=a.log_level.lower())

@@ -40,6 +40,7 @@ from .gateway_io import (
     until_disconnect,
 )
 from .liveness import live_workers_async, served_names, serving
+from .openai_batches import BatchOptions, install_batch_api
 from .openai_format import (
     APIError,
     OpenAIRequest,
@@ -295,9 +296,11 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
                max_connections: int = 1000, no_worker_grace_s: float = 5.0,
                queue_without_workers: bool = False, max_open: int = MAX_OPEN,
                max_open_per_client: int = MAX_OPEN_PER_CLIENT,
-               idle_timeout_s: float = IDLE_TIMEOUT_S, stored_keys: bool = False) -> FastAPI:
+               idle_timeout_s: float = IDLE_TIMEOUT_S, stored_keys: bool = False,
+               batch: Optional[BatchOptions] = None) -> FastAPI:
     """The gateway app. Served by `genpool gateway`, it also gets the connection timeouts of
-    producer/gateway_http.py (header, idle, send); another server must bring its own."""
+    producer/gateway_http.py (header, idle, send); another server must bring its own.
+    `batch`: the Files and Batch API's options (producer/openai_batches.py)."""
     gw = Gateway(url, prefix, api_keys, max_queue_depth, priority, default_model,
                  max_connections, no_worker_grace_s, queue_without_workers, max_open=max_open,
                  max_open_per_client=max_open_per_client, idle_timeout_s=idle_timeout_s,
@@ -306,12 +309,15 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await gw.start()
+        await batches.start()
         yield
+        await batches.stop()
         await gw.stop()
 
     app = FastAPI(title="genpool gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gw
     install_error_handlers(app)
+    batches = install_batch_api(app, gw, batch)
 
     @app.get("/v1/models")
     async def list_models(request: Request):
