@@ -35,6 +35,10 @@ def register_batch(sub) -> None:
     p.add_argument("--batch-id", default=None,
                    help="namespace for job ids (default: a hash of the input file's content)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="run the file server-side, through this gateway's Batch API (e.g. "
+                        "http://127.0.0.1:8000), and follow it; a rerun follows the same batch")
+    p.add_argument("--api-key", default=None, help="the gateway's bearer key (with --remote)")
     add_connection_args(p)
     p.set_defaults(func=cmd_batch)
 
@@ -46,6 +50,11 @@ def cmd_batch(a: argparse.Namespace) -> int:
     if not a.input.is_file():
         print(f"genpool batch: no such file: {a.input}", file=sys.stderr)
         return 2
+    if a.remote:
+        from .batch_remote import run_remote
+
+        return run_remote(a.remote, a.api_key, a.input, a.output, a.errors_out,
+                          progress=not a.no_progress)
     try:
         c = run_batch(a.input, a.output, client=Client(a.redis, a.prefix, tenant=a.tenant),
                       max_in_flight=a.max_in_flight, model=a.model, priority=a.priority,
