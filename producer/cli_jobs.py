@@ -8,6 +8,7 @@ import sys
 import time
 
 from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.tenants import DEFAULT_TENANT
 
 from .cli import EXIT_FAILED, EXIT_NO_WORKERS, EXIT_TIMEOUT, follow, say_if_unserved
 
@@ -27,6 +28,9 @@ def register_job(sub) -> None:
     for q, fn in ((show, cmd_show), (stream, cmd_stream), (result, cmd_result),
                   (cancel, cmd_cancel)):
         q.add_argument("id", help="job id")
+        q.add_argument("--api-key", default=None, metavar="KEY",
+                       help="act as this stored key's tenant: another tenant's job is not found "
+                            "(default: none: every job, as whoever holds the Redis URL)")
         add_connection_args(q)
         q.set_defaults(func=fn)
     show.add_argument("--json", action="store_true", help="print JSON")
@@ -42,6 +46,18 @@ def _client(a):
     return Client(a.redis, a.prefix)
 
 
+def _view(a: argparse.Namespace, c) -> dict | None:
+    """job_view, or None for a job the --api-key's tenant may not see (producer/job_access.py);
+    a key that is not valid exits 2."""
+    from .job_access import BadKey, key_tenant, visible
+
+    try:
+        return visible(job_view(c, a.id), key_tenant(c, a.api_key))
+    except BadKey as e:
+        print(f"genpool job: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def job_view(c, job_id: str) -> dict | None:
     """What `job show` prints: the job hash decoded, with timings and its stream's length."""
     keys = c.keys
@@ -53,7 +69,8 @@ def job_view(c, job_id: str) -> dict | None:
     if not info and not n_events:
         return None
     view: dict = {"id": job_id, "state": info.get("state", "unknown (no job hash)"),
-                  "lane": info.get("lane"), "worker": info.get("worker"),
+                  "lane": info.get("lane"), "tenant": info.get("tenant", DEFAULT_TENANT),
+                  "worker": info.get("worker"),
                   "attempts": int(info.get("attempts") or 0), "events": n_events,
                   "expires_in_s": ttl if ttl and ttl > 0 else None,
                   "cancel_requested": info.get("cancel") == "1"}
@@ -105,7 +122,7 @@ def _first_token_at(c, job_id: str, look: int = 64) -> float | None:
 
 def cmd_show(a: argparse.Namespace) -> int:
     c = _client(a)
-    view = job_view(c, a.id)
+    view = _view(a, c)
     if view is None:
         print(f"genpool job: no job {a.id!r} on prefix {c.keys.prefix!r} (unknown, or its result "
               f"expired)", file=sys.stderr)
@@ -131,7 +148,7 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 def cmd_stream(a: argparse.Namespace) -> int:
     c = _client(a)
-    if job_view(c, a.id) is None:
+    if _view(a, c) is None:
         print(f"genpool job: no job {a.id!r} on prefix {c.keys.prefix!r}", file=sys.stderr)
         return 2
     return follow(c.job(a.id), a.timeout, a.json, "job stream")
@@ -141,7 +158,7 @@ def cmd_result(a: argparse.Namespace) -> int:
     from .errors import NoWorkers
 
     c = _client(a)
-    if job_view(c, a.id) is None:
+    if _view(a, c) is None:
         print(f"genpool job: no job {a.id!r} on prefix {c.keys.prefix!r}", file=sys.stderr)
         return 2
     try:
@@ -164,7 +181,7 @@ def cmd_result(a: argparse.Namespace) -> int:
 
 def cmd_cancel(a: argparse.Namespace) -> int:
     c = _client(a)
-    view = job_view(c, a.id)
+    view = _view(a, c)
     if view is None:
         print(f"genpool job: no job {a.id!r} on prefix {c.keys.prefix!r}", file=sys.stderr)
         return 2
