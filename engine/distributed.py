@@ -109,7 +109,8 @@ class StepChannel:
             payload += (src, dst)
         for seq, n in scheduled:
             start, table = seq.num_computed_tokens, seq.block_table
-            payload += (start, n, seq.num_tokens, len(table))
+            score = seq.prompt_score_rows(n)  # the rows kept must agree on every rank
+            payload += (start, n, seq.num_tokens, len(table), score.start, score.stop)
             payload += seq.token_ids[start:start + n]
             payload += table
         payload[3] = len(payload)
@@ -132,9 +133,9 @@ class StepChannel:
         i += 2 * head[2]
         scheduled = []
         for _ in range(head[1]):
-            start, n, num_tokens, width = vals[i:i + 4]
-            i += 4
-            seq = StepSeq(start, num_tokens, vals[i:i + n], vals[i + n:i + n + width])
+            start, n, num_tokens, width, lo, hi = vals[i:i + 6]
+            i += 6
+            seq = StepSeq(start, num_tokens, vals[i:i + n], vals[i + n:i + n + width], range(lo, hi))
             i += n + width
             scheduled.append((seq, n))
         return head[0], scheduled, copies
@@ -159,6 +160,10 @@ class StepSeq:
     num_tokens: int
     new_tokens: list[int]
     block_table: list[int]
+    score_rows: range = range(0)  # Sequence.prompt_score_rows of this step, as rank 0 found it
+
+    def prompt_score_rows(self, n: int) -> range:
+        return self.score_rows
 
     @property
     def token_ids(self) -> _Window:

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from genpool.engine import isolation, limits
+from genpool.engine import isolation, limits, prompt_logprobs
 from genpool.engine import resume as resume_mod
 from genpool.engine.block_manager import BlockManager
 from genpool.engine.config import EngineConfig
@@ -235,6 +235,7 @@ class LLMEngine:
         sampled = self._sample(logits, sched.sampling)
         applied = self.scheduler.update(sched, sampled)
         outputs.extend(self.output.outputs(applied))
+        outputs.extend(self._end_unsampled(sched.sampling))
         if not self.requests:  # the last request just finished: the engine is idle from here on
             self._release_heap()
         return self._take_failed(outputs)
@@ -245,14 +246,52 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched) -> torch.Tensor:
+        """The forward pass -> the sampled rows' logits (prompt rows scored on the way)."""
         t0 = time.perf_counter()
         try:
-            logits = self.runner.execute(sched.scheduled, sched.block_copies)
+            scores, logits = self._split(sched.scheduled,
+                                         self.runner.execute(sched.scheduled, sched.block_copies))
         except Exception as exc:  # noqa: BLE001 - whatever it is, it must not fail the whole batch
-            logits = self._isolate(sched, exc)
+            scores, logits = self._isolate(sched, exc)
+        self._score_prompts(sched.scheduled, scores)
         self._big_steps |= sched.num_batched_tokens >= TRIM_AFTER_TOKENS
         self._note_step_time(sched, time.perf_counter() - t0)
         return logits
+
+    @staticmethod
+    def _split(scheduled, logits: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """The runner's rows -> (per entry its prompt-scoring rows or None, the sampled rows)."""
+        if not any(seq.prompt_score_rows(n) for seq, n in scheduled):
+            return [None] * len(scheduled), logits  # the usual step: every row is a sampled one
+        scores, samples = prompt_logprobs.split(scheduled, logits)
+        rows = [r for r in samples if r is not None]
+        return scores, torch.stack(rows) if rows else logits[:0]
+
+    def _score_prompts(self, scheduled, scores: list) -> None:
+        for (seq, n), rows in zip(scheduled, scores):
+            req = self.requests.get(seq.request_id)
+            if rows is not None and req is not None:
+                req.prompt_logprobs += prompt_logprobs.score(seq, n, rows, req.params.prompt_logprobs)
+
+    def _end_unsampled(self, sampling: list[Sequence]) -> list[RequestOutput]:
+        """max_tokens=0 (prompt_logprobs alone): the request ends once its prompt is computed,
+        with n empty completions and no token sampled (_sample skips it)."""
+        outs = []
+        for seq in sampling:
+            req = self.requests.get(seq.request_id)
+            if seq.params.max_tokens != 0 or req is None or seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "length")
+            for i in range(1, seq.pending_forks + 1):  # n > 1: empty siblings, never scheduled
+                sibling = self._new_seq(req, i)
+                sibling.status, sibling.finish_reason = SequenceStatus.FINISHED, "length"
+            seq.pending_forks = 0
+            req.metrics.first_token_time = req.metrics.finished_time = time.monotonic()
+            del self.requests[seq.request_id]
+            self._counters["requests_finished"] += 1
+            outs.append(req.delta_output({i: CompletionOutput(i, "", [], "length")
+                                          for i in range(req.params.n)}))
+        return outs
 
     def _release_heap(self) -> None:
         """Idle after large steps: return their freed activation buffers to the system (the
@@ -262,20 +301,21 @@ class LLMEngine:
         self._big_steps = False
 
     # -- fault isolation -------------------------------------------------------------------
-    def _isolate(self, sched, exc: Exception) -> torch.Tensor:
+    def _isolate(self, sched, exc: Exception) -> tuple[list, torch.Tensor]:
         """The forward pass raised: engine/isolation.py runs the step again in halves and fails the
         request(s) that make it fail on their own; sched.scheduled and sched.sampling are narrowed
         to everyone else, whose logits come back."""
         log.warning("engine step failed for a batch of %d (%s: %s); isolating the cause",
                     len(sched.scheduled), type(exc).__name__, exc)
         parts = isolation.bisect(self.runner.execute, sched.scheduled, exc, self._fail_step)
-        live = [(seq, n, row) for part, rows in parts for (seq, n), row in zip(part, rows)
-                if seq.request_id in self.requests]
-        sched.scheduled = [(seq, n) for seq, n, _ in live]
-        sched.sampling = [seq for seq, _, row in live if row is not None]
-        sampled = [r for _, _, r in live if r is not None]
+        live = [(seq, n, score, row) for part, rows in parts
+                for (seq, n), (score, row) in zip(part, rows) if seq.request_id in self.requests]
+        sched.scheduled = [(seq, n) for seq, n, _, _ in live]
+        sched.sampling = [seq for seq, _, _, row in live if row is not None]
+        sampled = [r for _, _, _, r in live if r is not None]
         vocab = self.runner.args.vocab_size
-        return torch.stack(sampled) if sampled else torch.empty(0, vocab)
+        return ([score for _, _, score, _ in live],
+                torch.stack(sampled) if sampled else torch.empty(0, vocab))
 
     def _fail_step(self, seq: Sequence, exc: Exception) -> None:
         self._fail(seq.request_id, RequestError(
@@ -301,6 +341,9 @@ class LLMEngine:
         self._failed.append(req.delta_output({}))
 
     def _sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[SampledToken]:
+        keep = [i for i, s in enumerate(sampling) if s.params.max_tokens != 0]
+        if len(keep) != len(sampling):  # max_tokens=0: nothing to sample (_end_unsampled)
+            logits, sampling = logits[keep], [sampling[i] for i in keep]
         rows, seqs, parents = self._expand_forks(sampling)
         if not seqs:
             return []

@@ -13,6 +13,7 @@ from genpool.engine.config import EngineConfig, apply_kernel_settings
 from genpool.engine.cpu_alloc import default_kv_budget, lazy_zeros, trim_heap, tune_malloc
 from genpool.engine.models.llama import rope_cache
 from genpool.engine.models.loader import load_model
+from genpool.engine.prompt_logprobs import row_layout
 from genpool.engine.startup import StartLog, mib
 from genpool.kernels import get_backend
 
@@ -96,12 +97,13 @@ class ModelRunner:
 
     def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """scheduled: [(seq, num_new)] -> input ids [T], positions [T], attention meta, and the
-        flat row of each sequence's last token (for sequences whose step ends its known tokens).
-        meta.keep: the last layer's attention meta for those rows alone (one query each; no rows
-        when no sequence samples this step), or None when every row is one of them (see
-        LlamaForCausalLM.forward)."""
+        flat rows the model returns: each sampled sequence's last row and, for one that scores
+        its prompt, its trailing rows from the first it scores (engine/prompt_logprobs.py).
+        meta.keep: the last layer's attention meta for those rows alone (no rows when nothing is
+        kept this step), or None when every row is kept (see LlamaForCausalLM.forward)."""
         bs = self.block_size
-        ids, pos, slots, qsl, lens, tables, logit_rows, logit_seqs = [], [], [], [0], [], [], [], []
+        ids, pos, slots, qsl, lens, tables = [], [], [], [0], [], []
+        keep_rows, keep_qsl, keep_seqs = [], [0], []
         for i, (seq, n) in enumerate(scheduled):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
@@ -111,9 +113,11 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             lens.append(end)
             tables.append(table)
-            if end == seq.num_tokens:
-                logit_rows.append(qsl[-1] - 1)
-                logit_seqs.append(i)
+            kept = row_layout(seq, n)[2]
+            if kept:
+                keep_rows.extend(range(qsl[-1] - kept, qsl[-1]))
+                keep_qsl.append(keep_qsl[-1] + kept)
+                keep_seqs.append(i)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -123,28 +127,31 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             rope=self.rope,
-            decode_only=len(logit_rows) == len(ids) == len(scheduled),
+            decode_only=len(keep_rows) == len(ids) == len(scheduled),
         )
-        if len(logit_rows) < len(ids):
-            sel = torch.tensor(logit_seqs, dtype=torch.long, device=dev)
+        if len(keep_rows) < len(ids):
+            sel = torch.tensor(keep_seqs, dtype=torch.long, device=dev)
             meta.keep = SampledRows(
-                rows=torch.tensor(logit_rows, dtype=torch.long, device=dev), block_tables=meta.block_tables.index_select(0, sel),
-                query_start_loc=torch.arange(len(logit_rows) + 1, dtype=torch.int32, device=dev),
+                rows=torch.tensor(keep_rows, dtype=torch.long, device=dev), block_tables=meta.block_tables.index_select(0, sel),
+                query_start_loc=torch.tensor(keep_qsl, dtype=torch.int32, device=dev),
                 seq_lens=meta.seq_lens.index_select(0, sel))
         return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta, logit_rows)
+                torch.tensor(pos, dtype=torch.long, device=dev), meta, keep_rows)
 
     @torch.inference_mode()
     def execute(self, scheduled, copies: list[tuple[int, int]]) -> torch.Tensor:
-        """One forward over the flattened batch -> fp32 logits [num_sampling_seqs, V] (on CPU)."""
+        """One forward over the flattened batch -> fp32 logits [kept rows, V] (on CPU), in the
+        order engine/prompt_logprobs.py's row_layout gives: one per sampling sequence, plus the
+        prompt rows of a sequence that scores its prompt."""
         self.copy_blocks(copies)
-        input_ids, positions, meta, logit_rows = self.prepare(scheduled)
-        # meta.keep None: every row is sampled (one per sequence, in order), so hidden's rows are
-        # already the logit rows; otherwise the model returned those rows alone
+        input_ids, positions, meta, rows = self.prepare(scheduled)
+        kept = len(rows)
+        # meta.keep None: every row is kept, so hidden's rows are already the logit rows;
+        # otherwise the model returned the kept rows alone
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.decode_stack)
-        if hidden.shape[0] != len(logit_rows):  # a model that ignored meta.keep: never pair wrong rows
-            raise RuntimeError(f"model returned {hidden.shape[0]} rows for {len(logit_rows)} sampled ones")
-        if not logit_rows:
+        if hidden.shape[0] != kept:  # a model that ignored meta.keep: never pair wrong rows
+            raise RuntimeError(f"model returned {hidden.shape[0]} rows for {kept} kept ones")
+        if not kept:
             return torch.empty(0, self.args.vocab_size)
         return self.model.compute_logits(hidden).cpu()
 

@@ -49,3 +49,7 @@ class RequestOutput:
     # engine drew for an unseeded sampled request (record it: a resume given it continues exactly;
     # engine/resume.py). None for greedy requests, whose output does not depend on one.
     seed: int | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it), else {token id: logprob} with that token and the top alternatives. On the
+    # first output after the prompt is computed (and on full outputs); None otherwise.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

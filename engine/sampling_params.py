@@ -61,6 +61,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # the prompt's own log-probabilities (vLLM's name): per prompt token after the first, its
+    # logprob and the top `prompt_logprobs` alternatives, computed in the prefill the request runs
+    # anyway (RequestOutput.prompt_logprobs); with it, max_tokens may be 0 (score, generate nothing)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # engine/structured_params.py
@@ -83,7 +87,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 raise ValueError(f"{name} must be an int or None, got {v!r}")
@@ -145,15 +149,19 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None
+                                                              else 1):
+            raise ValueError(f"max_tokens must be at least 1 (0 only with prompt_logprobs), got "
+                             f"{self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}"
                              f", max_tokens={self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
 
     # ---- derived ----------------------------------------------------------------------------
     @property

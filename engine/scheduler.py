@@ -184,7 +184,9 @@ class Scheduler:
                 # Invariant (2), block_manager.py: look up again after each preemption; a victim
                 # preempted in the step it was scheduled drops its never-computed blocks from the
                 # cache (and the budget grew by the refund), so an earlier lookup may be stale.
-                cached = self.bm.find_cached_blocks(seq.token_ids)
+                # a sequence scoring its prompt computes every row (a cached block's never ran)
+                cached = ([] if seq.prompt_score_rows(seq.num_tokens)
+                          else self.bm.find_cached_blocks(seq.token_ids))
                 num_new = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
                 if self.bm.allocate_slots(seq, num_new, cached, self._admission_reserve()):
                     break

@@ -47,6 +47,8 @@ class Sequence:
         self.detokenizer = None
         self.matcher = None  # llguidance matcher of a constrained sample (engine/structured.py)
         self.logprobs: list[dict[int, float]] = []
+        # prompt_logprobs: positions 0..prompt_scored-1 have scored the token after them
+        self.prompt_scored = 0
         self.first_token_time: float | None = None
         self.num_preemptions = 0
 
@@ -75,6 +77,16 @@ class Sequence:
     def sort_key(self) -> tuple:
         """Lower priority value first, then FIFO by arrival, then creation order."""
         return (self.priority, self.arrival_time, self.seq_id)
+
+    def prompt_score_rows(self, n: int) -> range:
+        """Positions of this step's chunk (n tokens from num_computed_tokens) whose rows score the
+        prompt token after them (params.prompt_logprobs; engine/prompt_logprobs.py). Completion
+        0 alone scores (its siblings fork after the prompt or, resumed, compute it again), and
+        what it scored before a preemption is not scored twice."""
+        if self.index != 0 or self.params is None or self.params.prompt_logprobs is None:
+            return range(0)
+        lo = max(self.num_computed_tokens, self.prompt_scored)
+        return range(lo, max(lo, min(self.num_computed_tokens + n, self.num_prompt_tokens - 1)))
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -46,6 +46,7 @@ from .openai_format import (
     OpenAIRequest,
     chunk_body,
     completion_body,
+    echo_chunks,
     error_from_event,
     final_chunks,
     parse_body,
@@ -251,6 +252,8 @@ class Gateway:
                   events: AsyncIterator) -> AsyncIterator[str]:
         created, finished = int(time.time()), False
         offsets: dict[int, int] = {}  # per choice: where the next token's text starts
+        echo = req.echo  # still to send: the prompt, once its scores are in (when asked)
+        scored = "prompt_logprobs" in req.kwargs
         try:
             if req.kind == "chat":  # OpenAI opens every choice with the assistant role
                 for i in range(req.kwargs.get("n", 1)):
@@ -263,6 +266,11 @@ class Gateway:
                     return
                 if req.tools is not None and req.tools.active:
                     continue  # held back: the end tells text from tool calls (final_chunks)
+                if echo and isinstance(ev, TokenEvent) and (ev.prompt is not None or not scored):
+                    chunks, start = echo_chunks(req, job.id, created, ev.prompt)
+                    offsets, echo = dict.fromkeys(range(len(chunks)), start), False
+                    for c in chunks:
+                        yield sse(c)
                 with_lps = (req.top_logprobs is not None and isinstance(ev, TokenEvent)
                             and bool(ev.token_ids))
                 if ev.text or with_lps:  # a token whose text is held back still has logprobs
@@ -276,6 +284,8 @@ class Gateway:
             finished = True
             chunks = ([error_from_event(res.error).body()] if res.error is not None
                       else final_chunks(req, res, created))
+            if echo and res.error is None:  # nothing generated (max_tokens=0): the prompt alone
+                chunks[:0] = echo_chunks(req, job.id, created, res.prompt)[0]
             for c in chunks:
                 yield sse(c)
             yield "data: [DONE]\n\n"

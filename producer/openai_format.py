@@ -16,9 +16,10 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from genpool.schemas import Choice, ErrorEvent, JobResult, TokenEvent, Usage
+from genpool.schemas.events import PromptScores
 from genpool.schemas.request import MAX_LOGPROBS
 
-from . import openai_logprobs, openai_tools
+from . import openai_echo, openai_logprobs, openai_tools
 from .protocol import build_request
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -33,12 +34,12 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "p
           "response_format", "structured_outputs"}
 ONLY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                  "tool_choice"},
-        "completion": {"prompt", "logprobs"}}
+        "completion": {"prompt", "logprobs", "echo", "prompt_logprobs"}}
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 # Features accepted only at their "off" value: a caller relying on them must hear "no", not get
 # a silently different answer.
 OFF_VALUES: dict[str, tuple] = {
-    "echo": (None, False), "suffix": (None,),
+    "suffix": (None,),
     "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
     "modalities": (None, ["text"]),
 }
@@ -91,6 +92,7 @@ class OpenAIRequest:
     include_usage: bool = False
     top_logprobs: Optional[int] = None  # logprobs asked: alternatives per token (None: not asked)
     tools: Optional[openai_tools.Tools] = None  # chat tool calling (producer/openai_tools.py)
+    echo: bool = False  # completions: the prompt comes back before the completion (openai_echo.py)
 
 
 def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Optional[str] = None,
@@ -107,11 +109,12 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
         if body.get("max_completion_tokens") is not None:
             kw["max_tokens"] = body["max_completion_tokens"]
     else:
-        kw["prompt"] = _prompt(body.get("prompt"))
+        kw.update(_echo(openai_echo.prompt_fields, body.get("prompt")))
     top = _logprobs(kind, body)
     if top is not None:
         kw["logprobs"] = top
     kw.setdefault("max_tokens", DEFAULT_MAX_TOKENS[kind])
+    echo = kind == "completion" and _echo(openai_echo.apply, body, kw, top)
     kw.setdefault("priority", priority)
     if default_model and "model" not in kw:
         kw["model"] = default_model
@@ -125,7 +128,14 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}",
                        param="stream_options")
     return OpenAIRequest(kind, kw, str(kw.get("model") or "genpool"), bool(stream),
-                         bool((opts or {}).get("include_usage")), top, tools)
+                         bool((opts or {}).get("include_usage")), top, tools, echo)
+
+
+def _echo(fn, *args):
+    try:
+        return fn(*args)
+    except openai_echo.EchoError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 def _tools(kind: str, body: dict, kw: dict) -> Optional[openai_tools.Tools]:
@@ -205,17 +215,6 @@ def _content(content: Any, i: int) -> Any:
     return "".join(texts)
 
 
-def _prompt(raw: Any) -> Any:
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-        return raw[0]
-    if isinstance(raw, list):
-        raise APIError(400, "prompt must be a single string: send one request per prompt "
-                            "(token-id prompts are not supported)", param="prompt")
-    if raw is None:
-        raise APIError(400, "prompt is required", param="prompt")
-    return raw
-
-
 def _validate(kw: dict) -> None:
     try:
         build_request(**kw)
@@ -262,8 +261,14 @@ def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] =
                                     else _finish(c.finish_reason)})
     else:
         body["object"] = "text_completion"
-        body["choices"] = [{"index": c.index, "text": c.text, "logprobs": lps(c),
-                            "finish_reason": _finish(c.finish_reason)} for c in choices]
+        body["choices"] = []
+        for c in choices:
+            text, lp = c.text, lps(c)
+            if req.echo:
+                text, lp = openai_echo.choice(req.kwargs.get("prompt"), res, req.top_logprobs,
+                                              text, lp)
+            body["choices"].append({"index": c.index, "text": text, "logprobs": lp,
+                                    "finish_reason": _finish(c.finish_reason)})
     return body
 
 
@@ -290,6 +295,20 @@ def chunk_body(req: OpenAIRequest, job_id: str, created: int, index: int, *, tex
         obj = "text_completion"
     return {"id": response_id(req.kind, job_id), "object": obj, "created": created,
             "model": req.model, "system_fingerprint": None, "choices": [choice]}
+
+
+def echo_chunks(req: OpenAIRequest, job_id: str, created: int,
+                scores: Optional[PromptScores]) -> tuple[list[dict], int]:
+    """Streamed echo: every choice opens with the prompt (and its logprobs); the completion's
+    text offsets start after it (the int returned)."""
+    text = openai_echo.text(req.kwargs.get("prompt"), scores)
+    lps = openai_echo.logprobs(scores, req.top_logprobs)
+    out = []
+    for i in range(req.kwargs.get("n", 1)):
+        chunk = chunk_body(req, job_id, created, i, text=text)
+        chunk["choices"][0]["logprobs"] = lps
+        out.append(chunk)
+    return out, len(text)
 
 
 def final_chunks(req: OpenAIRequest, res: JobResult, created: int) -> list[dict]:

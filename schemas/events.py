@@ -43,6 +43,18 @@ class TokenEvent(_Wire):
     # it exactly (workers/takeover.py): the engine's model identity and the sampling seed.
     model_identity: Optional[dict] = None
     seed: Optional[int] = None
+    # With prompt_logprobs, on completion 0's first token event (and on the result)
+    prompt: Optional["PromptScores"] = None
+
+
+class PromptScores(BaseModel):
+    """The prompt's own logprobs (JobRequest.prompt_logprobs): its token ids, one entry per
+    token (None for the first, which nothing precedes; else {token_id: logprob} with that token
+    and the top alternatives, from the model's raw distribution), and every id's text."""
+    model_config = ConfigDict(extra="ignore")
+    token_ids: list[int]
+    logprobs: list[Optional[dict[str, float]]]
+    token_texts: dict[str, str] = Field(default_factory=dict)
 
 
 class RestartEvent(_Wire):
@@ -132,6 +144,7 @@ class ResultEvent(_Wire):
     worker: Optional[str] = None
     logprobs: Optional[list[dict[str, float]]] = None  # completion 0's, when asked (as Choice)
     token_texts: Optional[dict[str, str]] = None
+    prompt: Optional[PromptScores] = None  # with prompt_logprobs
 
 
 class ErrorEvent(_Wire):
@@ -178,6 +191,7 @@ class JobResult(BaseModel):
     token_texts: Optional[dict[str, str]] = None
     tool_calls: Optional[list[ToolCall]] = None  # completion 0's, as Choice's (tools only)
     content: Optional[str] = None  # as Choice's (tools only)
+    prompt: Optional[PromptScores] = None  # with prompt_logprobs: the prompt's own logprobs
     error: Optional[ErrorEvent] = None
 
     @property
@@ -189,3 +203,6 @@ class JobResult(BaseModel):
         if isinstance(ev, ErrorEvent):
             return cls(id=job_id, error=ev)
         return cls(id=job_id, **ev.model_dump(exclude={"type", "v"}))
+
+
+TokenEvent.model_rebuild()  # its `prompt` names PromptScores, defined after it

@@ -38,7 +38,7 @@ CALLER_PRIORITY_CEILING = -1
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-    "logprobs", "logit_bias",
+    "logprobs", "prompt_logprobs", "logit_bias",
 )
 
 
@@ -71,6 +71,10 @@ class JobRequest(BaseModel):
     model: Optional[str] = Field(default=None, min_length=1, max_length=256)
     prompt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1, max_length=1000)
+    # a prompt already tokenized with the model's tokenizer (OpenAI's token-id prompts;
+    # lm-eval-harness sends them): used as given, no special tokens added
+    prompt_token_ids: Optional[list[TokenId]] = Field(default=None, min_length=1,
+                                                      max_length=MAX_PROMPT_CHARS)
 
     n: int = Field(default=1, ge=1, le=16)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
@@ -85,9 +89,11 @@ class JobRequest(BaseModel):
     stop: list[StopString] = Field(default_factory=list, max_length=16)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
-    max_tokens: int = Field(default=16, ge=1, le=1_000_000)
+    max_tokens: int = Field(default=16, ge=0, le=1_000_000)  # 0: only with prompt_logprobs
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # the prompt's own logprobs (JobResult.prompt_logprobs; the gateway's echo), 0-20 alternatives
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # {token id (a JSON object's keys are strings): bias in [-100, 100]}, at most 1024 ids
     logit_bias: Optional[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
         default=None, max_length=1024)
@@ -123,9 +129,14 @@ class JobRequest(BaseModel):
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "JobRequest":
-        if (self.prompt is None) == (self.messages is None):
-            got = "both" if self.prompt is not None else "neither"
-            raise ValueError(f"exactly one of 'prompt' or 'messages' is required (got {got})")
+        given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(self, f) is not None]
+        if len(given) != 1:
+            got = " and ".join(given) or "none"
+            raise ValueError(f"exactly one of 'prompt', 'messages' or 'prompt_token_ids' is "
+                             f"required (got {got})")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 needs prompt_logprobs (score the prompt, generate "
+                             "nothing)")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")

@@ -31,6 +31,8 @@ def to_engine_prompt(engine, req: JobRequest, tokenizer=None) -> dict:
     """Token ids exactly as LLM.generate / LLM.chat would build them (parity with offline runs),
     computed here so the worker knows the prompt length before admitting."""
     tok = tokenizer or engine.tokenizer
+    if req.prompt_token_ids is not None:  # tokenized by the producer: the engine checks the ids
+        return {"prompt": None, "prompt_token_ids": list(req.prompt_token_ids)}
     if req.messages is not None:
         msgs = [m.model_dump() for m in req.messages]
         text = engine.apply_chat_template(msgs)
@@ -64,8 +66,7 @@ def prepare(engine, job: Job, tokenizer=None, max_chars: Optional[int] = None) -
     req = job.req
     if req is None:
         return job
-    chars = len(req.prompt) if req.prompt is not None else sum(len(m.content)
-                                                                 for m in req.messages)
+    chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
     if max_chars is not None and chars > max_chars:
         return _refuse(job, f"prompt is {chars} characters, more than the model's limit of "
                             f"{engine.max_model_len} tokens can hold")

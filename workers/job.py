@@ -23,6 +23,7 @@ from genpool.schemas import (
     TokenEvent,
     Usage,
 )
+from genpool.schemas.events import PromptScores
 
 if TYPE_CHECKING:  # workers/takeover.py imports this module
     from genpool.workers.takeover import Takeover
@@ -170,6 +171,7 @@ class Job:
     # with logprobs: per completion one {id: logprob} map per token, and every id's text
     logprobs: dict[int, list[dict[str, float]]] = field(default_factory=dict)
     token_texts: dict[str, str] = field(default_factory=dict)
+    prompt_scores: Optional[PromptScores] = None  # with prompt_logprobs, once the engine gave them
     first_token_at: Optional[float] = None
     ttft_steps: Optional[int] = None  # engine steps that ended between arrival and first token
     recorded: bool = False  # the model identity and seed went out with a first token
@@ -243,7 +245,7 @@ class Job:
                        for i in range(self.req.n)]
         return ResultEvent(text=self.texts.get(0, ""), token_ids=list(self.ids.get(0, [])),
                            finish_reason=self.finish.get(0), worker=worker, choices=choices,
-                           **self._logprobs_of(0),
+                           **self._logprobs_of(0), prompt=self.prompt_scores,
                            usage=Usage(prompt_tokens=self.prompt_tokens,
                                        completion_tokens=self.generated),
                            timings=timings)

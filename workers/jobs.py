@@ -17,6 +17,7 @@ import redis
 
 from genpool.engine.protocol import Engine, EngineStats
 from genpool.schemas.connection import REDIS_DOWN
+from genpool.schemas.events import PromptScores
 from genpool.workers.admission import make_params, to_engine_prompt
 from genpool.workers.job import End, Job, JobState, Outcome, engine_request_id, job_id_of
 from genpool.workers.lease import LeaseKeeper
@@ -57,6 +58,12 @@ class JobTable:
                     self._texts[k] = text
             out[k] = text
         return out
+
+    def prompt_scores(self, ids: list[int], lps: list) -> PromptScores:
+        """The engine's prompt logprobs in the wire's shape, with the text of every id."""
+        maps = [None if d is None else {str(k): float(v) for k, v in d.items()} for d in lps]
+        texts = self.token_texts([d for d in maps if d] + [{str(t): 0.0 for t in ids[:1]}])
+        return PromptScores(token_ids=list(ids), logprobs=maps, token_texts=texts)
 
     def __len__(self) -> int:
         return len(self.running)

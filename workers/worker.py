@@ -254,9 +254,13 @@ class Worker:
             self.jobs.finish(job, Outcome.failed(out.error.code, out.error.message),
                              engine_ended=True)
             return
+        if out.prompt_logprobs is not None:
+            job.prompt_scores = self.jobs.prompt_scores(out.prompt_token_ids, out.prompt_logprobs)
         for c in out.outputs:
             ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
             if ev is not None:
+                if c.index == 0 and out.prompt_logprobs is not None:  # streamed echo reads it
+                    ev.prompt = job.prompt_scores
                 if ev.logprobs:  # their tokens' texts, for readers without the tokenizer
                     ev.token_texts = self.jobs.token_texts(ev.logprobs)
                     job.token_texts.update(ev.token_texts)

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(not cpu_decode_layers.available(), reason="no C 
 
 
 def _seq(tokens, computed, table):
-    return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, num_tokens=len(tokens), block_table=table)
+    return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, num_tokens=len(tokens), block_table=table,
+                           prompt_score_rows=lambda n: range(0))
 
 
 def _runner(path, blocks=32):

@@ -102,7 +102,7 @@ def test_submit_validates_locally(client):
         client.submit("x", max_tokens=0)
     with pytest.raises(ValueError, match="unknown field 'temprature'"):
         client.submit("x", temprature=0.5)
-    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'messages'"):
+    with pytest.raises(ValueError, match="exactly one of 'prompt', 'messages' or 'prompt_token_ids'"):
         client.submit()
 
 

@@ -81,7 +81,7 @@ def test_precise_messages():
     assert _err({"prompt": "x", "max_tokens": -3}) == \
         "max_tokens: Input should be greater than or equal to 1 (got -3)"
     assert "unknown field 'colour'" in _err({"prompt": "x", "colour": "red"})
-    assert "exactly one of 'prompt' or 'messages' is required (got neither)" in _err({"id": "a"})
+    assert "exactly one of 'prompt', 'messages' or 'prompt_token_ids' is required (got none)" in _err({"id": "a"})
     both = {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}
     assert "(got both)" in _err(both)
     assert "min_tokens (9) must be <= max_tokens (4)" in _err({"prompt": "x", "max_tokens": 4,

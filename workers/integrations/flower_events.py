@@ -69,7 +69,8 @@ def job_kwargs(req) -> str:
     if req is None:
         return "{}"
     what = ("prompt", _short(req.prompt)) if req.prompt is not None else \
-        ("messages", f"[{len(req.messages)} messages]")
+        ("messages", f"[{len(req.messages)} messages]") if req.messages is not None else \
+        ("prompt_token_ids", f"[{len(req.prompt_token_ids)} ids]")
     fields = {what[0]: what[1], "max_tokens": req.max_tokens, "priority": req.priority}
     if req.model:
         fields["model"] = req.model
