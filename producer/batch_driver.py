@@ -174,28 +174,38 @@ class BatchDriver:
         pending.clear()
         submits.clear()
 
-    async def collect(self, bid: str, view: BatchView) -> dict[str, dict]:
-        """Answer every line whose job ended; returns the lines still running {job id: line}."""
-        waiting = {jid: json.loads(v) for jid, v in
-                   (await self.r.hgetall(self.keys.batch_lines(bid))).items()}
-        ids, ttl, lost = list(waiting), batch_ttl_s(view.record), []
+    async def collect(self, bid: str, view: BatchView) -> list[str]:
+        """Answer every line whose job ended; returns the job ids still running. Only the job
+        ids are read each pass: a line's input is read when its job has ended."""
+        ids = await self.r.hkeys(self.keys.batch_lines(bid))
+        ttl, lost = batch_ttl_s(view.record), []
+        ended: set[str] = set()
         for i in range(0, len(ids), CHUNK):
             chunk = ids[i:i + CHUNK]
-            for jid, res in zip(chunk, await self.poll(chunk)):
-                if res is None:
+            results = dict(zip(chunk, await self.poll(chunk)))
+            now = [j for j in chunk if results[j] is not None]
+            for jid, line in zip(now, await self.lines_of(bid, now)):
+                if line is None:
+                    continue  # answered meanwhile (a driver before this one)
+                if results[jid] is False:
+                    lost.append(line)
                     continue
-                if res is False:
-                    lost.append(waiting[jid])
-                    continue
-                line = waiting.pop(jid)
-                ok, out = bl.finished(jid, line["obj"], view.record, res)
+                ended.add(jid)
+                ok, out = bl.finished(jid, line["obj"], view.record, results[jid])
                 await self.answer(bid, line["obj"]["custom_id"], line["n"], ok, out, jid, ttl)
             await self.renew(bid)
         if lost:  # Redis lost their jobs (a restart without persistence): same ids again
             log.warning("batch %s: resubmitting %d jobs Redis no longer knows", bid, len(lost))
             await self.client.submit_many([bl.parse_line_body(x["obj"], view.record).kwargs
                                            for x in lost])
-        return waiting
+        return [j for j in ids if j not in ended]
+
+    async def lines_of(self, bid: str, job_ids: list[str]) -> list[Optional[dict]]:
+        """The input lines ({n, obj}) of these jobs (None for one answered already)."""
+        if not job_ids:
+            return []
+        raw = await self.r.hmget(self.keys.batch_lines(bid), job_ids)
+        return [json.loads(x) if x else None for x in raw]
 
     async def poll(self, job_ids: list[str]) -> list:
         """Per job: its JobResult when it ended, None while it runs, False when Redis lost it."""
@@ -212,14 +222,16 @@ class BatchDriver:
                 out.append(JobResult.from_event(jid, final) if final else None)
         return out
 
-    async def stop_lines(self, bid: str, view: BatchView, waiting: dict, code: str) -> None:
+    async def stop_lines(self, bid: str, view: BatchView, job_ids: list[str],
+                         code: str) -> None:
         """Cancel these lines' jobs and answer them `code` (a job that ends anyway is ignored:
         its custom_id is answered already)."""
         ttl = batch_ttl_s(view.record)
-        for jid, line in waiting.items():
+        for jid, line in zip(job_ids, await self.lines_of(bid, job_ids)):
             await self.client.cancel(jid)
-            await self.answer(bid, line["obj"]["custom_id"], line["n"], False,
-                              bl.unrun(jid, line["obj"]["custom_id"], code), jid, ttl)
+            if line is not None:
+                cid = line["obj"]["custom_id"]
+                await self.answer(bid, cid, line["n"], False, bl.unrun(jid, cid, code), jid, ttl)
 
     async def expire(self, bid: str, view: BatchView) -> None:
         """Past the window: keep what finished, end the rest as batch_expired."""
@@ -239,9 +251,9 @@ class BatchDriver:
             await self.r.hset(k.batch(bid), "cancel_sent", sent)
         waiting = await self.collect(bid, view)
         late = time.time() - float(sent) > CANCEL_GRACE_S
-        states = await self.job_states(list(waiting))
-        await self.stop_lines(bid, view, {j: x for j, x in waiting.items()
-                                          if late or states[j] != "running"}, "batch_cancelled")
+        states = await self.job_states(waiting)
+        await self.stop_lines(bid, view, [j for j in waiting if late or states[j] != "running"],
+                              "batch_cancelled")
         if not await self.r.hlen(k.batch_lines(bid)):
             await self.finish(bid, view, "cancelled")
 
