@@ -40,8 +40,10 @@ class Gateway:
     def log(self) -> str:
         return (self.logs / f"{self.name}-{self.starts}.log").read_text()[-3000:]
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=KEY, max_retries=0)
+    def client(self, retries: int = 0) -> openai.OpenAI:
+        """retries: the official client's own retries of 5xx answers (a gateway answers 503 while
+        its Redis is away)."""
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=KEY, max_retries=retries)
 
     def kill(self) -> None:
         self.proc.kill()

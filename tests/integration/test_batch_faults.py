@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import time
 
 import pytest
 
@@ -98,3 +99,42 @@ def test_worker_sigkill_mid_batch(env):
     env["procs"].append(fake_worker(url, prefix, logs, "w2", step_delay=0.01))
     check_exact(c, wait_done(c, b.id, 120), lines)
     assert min(attempts(url, prefix, b.id, lines)) == 1
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of this test's own, with an append-only file fsynced on every write, so a
+    restart keeps everything: the batch, its lines and the jobs."""
+    from tests.redis_topologies import Servers, TopologyUnavailable, free_ports
+
+    try:
+        port = free_ports(1, range(27400, 27600))[0]
+        servers = Servers(tmp_path / "redis")
+        servers.start(port, "--appendonly", "yes", "--appendfsync", "always")
+    except (TopologyUnavailable, OSError) as e:
+        pytest.skip(f"no private redis-server: {e}")
+    try:
+        yield servers, port
+    finally:
+        servers.stop()
+
+
+def test_redis_restart_mid_batch(private_redis, tmp_path):
+    servers, port = private_redis
+    url, prefix, logs = f"redis://127.0.0.1:{port}/0", new_prefix("bredis"), tmp_path
+    worker = fake_worker(url, prefix, logs, "w1", step_delay=0.01)
+    a = Gateway(url, prefix, logs, "a", "--batch-window", "600").start()
+    try:
+        wait_for(lambda: workers_alive(url, prefix), 60, what="worker up")
+        c, b, lines = start_batch(a, "r")
+        wait_for(lambda: c.batches.retrieve(b.id).request_counts.completed >= 40, 60,
+                 what="the batch under way")
+        servers.shutdown(port)  # SIGTERM: the server writes its AOF and exits
+        time.sleep(1.0)
+        servers.restart(port)
+        c = a.client(retries=5)  # the first request after the restart may meet a dead connection
+        check_exact(c, wait_done(c, b.id, 180), lines)
+        assert a.proc.poll() is None and worker.poll() is None
+    finally:
+        a.stop()
+        stop_proc(worker)
