@@ -246,6 +246,11 @@ return 1
 #            (each entry: `event` = the JSON, `seq` = its place in the log; hash field `seq`)
 #   final:   ARGV[3] maxlen, ARGV[4] result TTL, ARGV[5] state, ARGV[6] field, ARGV[7] time,
 #            ARGV[8] worker, ARGV[9..] event JSONs (the last one terminal) -> 1 | 0
+#   final+usage: as final, then ARGV[9] tenant, ARGV[10] prompt tokens, ARGV[11] completion
+#            tokens, ARGV[12] usage TTL, ARGV[13..] event JSONs; KEYS[3] the hour's usage hash
+#            (schemas/tenants.py), counted in the same fenced write as the result, so a resend,
+#            a rerun or a resume never counts a job twice (one server or Sentinel only: on a
+#            Cluster KEYS[3] is in another slot, and workers/usage.py counts after the write)
 FENCE_LUA = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 local op = ARGV[2]
@@ -262,7 +267,8 @@ elseif op == 'release' then
   redis.call('HDEL', KEYS[1], 'owner', 'lease_until', 'solo')
   return 1
 end
-local first = (op == 'final') and 9 or 5
+local final = op == 'final' or op == 'final+usage'
+local first = (op == 'final+usage') and 13 or (final and 9 or 5)
 local last = ''
 -- `seq`: each entry's place in the job's event log (1, 2, ...; counted in the hash), so that a
 -- reader which fell more than the MAXLEN cap behind can tell what was trimmed unread
@@ -271,9 +277,15 @@ for i = first, #ARGV do
   seq = seq + 1
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'event', ARGV[i], 'seq', seq)
 end
-if op == 'final' then
+if final then
   redis.call('HSET', KEYS[1], 'state', ARGV[5], ARGV[6], ARGV[#ARGV], 'finished_at', ARGV[7],
              'worker', ARGV[8])
+  if op == 'final+usage' then
+    redis.call('HINCRBY', KEYS[3], ARGV[9] .. ':prompt', ARGV[10])
+    redis.call('HINCRBY', KEYS[3], ARGV[9] .. ':completion', ARGV[11])
+    redis.call('HINCRBY', KEYS[3], ARGV[9] .. ':jobs', 1)
+    redis.call('EXPIRE', KEYS[3], ARGV[12])
+  end
   redis.call('HDEL', KEYS[1], 'owner', 'lease_until', 'solo', 'suspect')
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])

@@ -38,6 +38,7 @@ from genpool.workers.job import Entry, Fence, Job
 from genpool.workers.lease import FENCE, fence_call
 from genpool.workers.observe import Observers
 from genpool.workers.streams import WritesRefused, refused
+from genpool.workers.usage import UsageCount, count_after, queue_final
 
 log = logging.getLogger("genpool.worker")
 
@@ -60,6 +61,7 @@ class Write:
     dead: Optional[dict] = None  # dead-letter fields, added with the ack
     refusal: Optional[Exception] = None  # Redis refused it (last time it was sent)
     held: bool = False  # queued again after a refusal, its entry (and lease) held meanwhile
+    usage: Optional[UsageCount] = None  # a result's tokens, counted with it (workers/usage.py)
 
     @property
     def job_id(self) -> Optional[str]:
@@ -113,7 +115,7 @@ class Outbox:
     def result(self, job: Job, ev: ResultEvent) -> None:
         self.observers.emit("job_finished", job, ev)
         self.ops.append(Write("final", job, events=[self._event_json(ev, job.fence)],
-                              final=("done", "result"), ends=True))
+                              final=("done", "result"), ends=True, usage=UsageCount.of(job, ev)))
 
     def error(self, job: Job, ev: ErrorEvent, dead: Optional[dict] = None) -> None:
         state = ERROR_STATES.get(ev.code, "error")
@@ -171,7 +173,11 @@ class Outbox:
             args = [self.events_maxlen, self.job_ttl_s, *events]
         elif op.kind == "final":
             args = [self.events_maxlen, self.result_ttl_s, *op.final, f"{time.time():.6f}",
-                    self.worker, *events]
+                    self.worker]
+            if op.usage is not None and not is_cluster(pipe):
+                return queue_final(pipe, self.keys, op.job_id, op.fence.token, args, events,
+                                   op.usage)
+            args += events
         else:  # release
             args = []
         fence_call(pipe, self.keys, op.job_id, op.fence.token, op.kind, *args)
@@ -198,6 +204,9 @@ class Outbox:
                 log.error("job %s: %s write failed: %s", call[0].job_id, call[-1].kind, x)
             else:
                 lost.add(call[0].job_id)
+        counts = [op.usage for op in earned if op.kind == "final" and op.usage is not None]
+        if counts and is_cluster(r):
+            count_after(r, self.keys, counts)
         if earned:
             again += self._acknowledge(r, [op for op in earned if op.entry is not None])
         if released:

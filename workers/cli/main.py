@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "batch": "genpool.producer.cli_bulk:register_batch",
     "gateway": "genpool.producer.cli_bulk:register_gateway",
     "keys": "genpool.producer.cli_keys:register_keys",
+    "usage": "genpool.producer.usage:register_usage",
 }
 
 # One line per command for `genpool --help`, which imports no command module.
@@ -43,6 +44,7 @@ SUMMARIES: dict[str, str] = {
     "batch": "run an OpenAI Batch API .jsonl file through the pool (resumable)",
     "gateway": "OpenAI-compatible HTTP server in front of the pool (needs the `gateway` extra)",
     "keys": "API keys (hashed in Redis): create, list, revoke; tenants' limits",
+    "usage": "prompt and completion tokens per tenant (hourly buckets)",
 }
 
 EPILOG = """exit codes: 0 ok, 1 the job failed, 2 bad usage or setup (the message says what to
