@@ -1,0 +1,67 @@
+"""Files and batches belong to the tenant of the key that made them: another tenant's key finds
+none of them (404, as for an id that does not exist), and a batch's jobs run as its tenant's.
+A gateway with stored keys (issue 31), a fake-engine worker, the official client."""
+from __future__ import annotations
+
+import io
+
+import openai
+import pytest
+
+from genpool.producer.batch_lines import line_job_id
+from genpool.producer.keys_store import KeyStore
+from genpool.schemas import Keys
+from genpool.schemas.connection import connect
+from tests.batch_api_helpers import Gateway, fake_worker, jsonl, line, wait_done
+from tests.pool_helpers import drop_prefix, new_prefix, stop_proc, wait_for, workers_alive
+
+
+@pytest.fixture
+def tenants(redis_url, tmp_path):
+    prefix = new_prefix("btenant")
+    r = connect(redis_url, decode_responses=True)
+    store = KeyStore(r, Keys(prefix))
+    key_a, _ = store.create("team-a", [], 1)
+    key_b, _ = store.create("team-b", [], 1)
+    worker = fake_worker(redis_url, prefix, tmp_path, "w")
+    gw = Gateway(redis_url, prefix, tmp_path, "gw", "--stored-keys", "--batch-window", "600")
+    try:
+        gw.start()
+        wait_for(lambda: workers_alive(redis_url, prefix), 60, what="worker up")
+        yield gw, key_a, key_b, r, prefix
+    finally:
+        gw.stop()
+        stop_proc(worker)
+        r.close()
+        drop_prefix(redis_url, prefix)
+
+
+def as_key(gw: Gateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.base}/v1", api_key=key, max_retries=0)
+
+
+def test_another_tenants_files_and_batches_are_not_found(tenants):
+    gw, key_a, key_b, r, prefix = tenants
+    a, b = as_key(gw, key_a), as_key(gw, key_b)
+    f = a.files.create(file=("in.jsonl", io.BytesIO(jsonl([line("x", "p x"), line("y", "p y")]))),
+                       purpose="batch")
+    batch = a.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                             completion_window="24h")
+    for call in (lambda: b.files.retrieve(f.id), lambda: b.files.content(f.id),
+                 lambda: b.files.delete(f.id), lambda: b.batches.retrieve(batch.id),
+                 lambda: b.batches.cancel(batch.id),
+                 lambda: b.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                          completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert [x.id for x in b.files.list()] == [] and [x.id for x in b.batches.list()] == []
+    assert [x.id for x in a.batches.list()] == [batch.id]
+    done = wait_done(a, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 2
+    with pytest.raises(openai.NotFoundError):
+        b.files.content(done.output_file_id)
+    assert len(a.files.content(done.output_file_id).text.splitlines()) == 2
+    keys = Keys(prefix)
+    assert r.hget(keys.job(line_job_id(batch.id, "x")), "tenant") == "team-a"
+    with pytest.raises(openai.AuthenticationError):
+        as_key(gw, "sk-nope").files.list()
