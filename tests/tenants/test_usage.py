@@ -86,3 +86,24 @@ def test_usage_refuses_a_bad_since(redis_url):
                           new_prefix("use")], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "--since" in out.stderr
+
+
+def test_tenant_metrics_keep_a_bounded_label_set():
+    from prometheus_client import CollectorRegistry
+
+    from genpool.workers.integrations.tenant_metrics import TenantCounters
+
+    reg = CollectorRegistry()
+    c = TenantCounters("fake", reg, max_labels=3)
+    for i in range(10):
+        c.finished(f"t{i}", 10, 1)
+    c.finished("t0", 5, 2)
+    value = reg.get_sample_value
+    labels = {s.labels["tenant"] for m in reg.collect() for s in m.samples
+              if m.name == "genpool:tenant_prompt_tokens"}
+    assert labels == {"t0", "t1", "t2", "other"}
+    assert value("genpool:tenant_prompt_tokens_total", {"model_name": "fake", "tenant": "t0"}) == 15
+    assert value("genpool:tenant_prompt_tokens_total",
+                 {"model_name": "fake", "tenant": "other"}) == 70
+    assert value("genpool:tenant_request_success_total",
+                 {"model_name": "fake", "tenant": "other"}) == 7

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from genpool.schemas.connection import lane_depths, queue_lane_depths, stored_shards
+from genpool.workers.integrations.tenant_metrics import TenantCounters
 from genpool.workers.observe import WorkerObserver
 
 log = logging.getLogger("genpool.metrics")
@@ -71,6 +72,7 @@ class MetricsObserver(WorkerObserver):
                                lab + ["finished_reason"], registry=reg)
         self.failure = Counter(NS + "request_failure", "Jobs ended with an error",
                                lab + ["code"], registry=reg)
+        self.tenants = TenantCounters(model_name, reg)  # bounded labels (tenant_metrics.py)
         self.stats: dict = {}  # engine.stats() as of the last tick
         self.routing: dict = {}  # the worker router's counters as of the last tick
         self.worker_info: dict = {}
@@ -112,6 +114,9 @@ class MetricsObserver(WorkerObserver):
             self.ttft.observe(t.ttft_s)
         self.e2e.observe(t.total_s)
         self.success.labels(self.model, ev.finish_reason or "unknown").inc()
+        if job.req is not None:
+            self.tenants.finished(job.req.tenant, ev.usage.prompt_tokens,
+                                  ev.usage.completion_tokens)
 
     def job_failed(self, job_id: str, ev, job=None) -> None:
         self._forget(job_id)
