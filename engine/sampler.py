@@ -222,7 +222,10 @@ class Sampler:
         out: list[dict[int, float] | None] = [None] * len(rows)
         if not want:
             return out
-        logp = torch.log_softmax(logits.index_select(0, _rows(want, logits)), dim=-1)
+        # every row asking (the usual batch of one kind of job): no copy of the [N, V] logits
+        # (index_select was a third of this method's time at 48 rows x 49,152)
+        x = logits if len(want) == len(rows) else logits.index_select(0, _rows(want, logits))
+        logp = torch.log_softmax(x, dim=-1)
         k_max = min(max(rows[i].params.logprobs for i in want), logp.shape[-1])
         top_vals, top_ids = (torch.topk(logp, k_max, dim=-1) if k_max > 0 else (None, None))
         sampled = logp.gather(1, torch.tensor([tokens[i] for i in want],

@@ -234,6 +234,21 @@ def test_logprobs_of_greedy_row_are_topk():
     assert lps[0] == pytest.approx({0: math.log(0.5), 1: math.log(0.3)}, abs=1e-6)
 
 
+def test_logprobs_are_the_same_whether_every_row_asks_or_only_some():
+    """Every row asking skips the copy of the asking rows' logits: the values must not move."""
+    torch.manual_seed(7)
+    x = torch.randn(4, 300) * 3
+    every = [row(temperature=0, logprobs=k) for k in (5, 0, 2, 5)]
+    some = [every[0], row(temperature=0), every[2], row(temperature=0)]
+    toks_all, lp_all = Sampler()(x, every)
+    toks_some, lp_some = Sampler()(x, some)
+    assert toks_all == toks_some
+    assert lp_some[0] == lp_all[0] and lp_some[2] == lp_all[2]  # exactly, not approximately
+    assert lp_some[1] is None and lp_some[3] is None and list(lp_all[1]) == [toks_all[1]]
+    raw = torch.log_softmax(x, dim=-1)
+    assert list(lp_all[3]) == torch.topk(raw[3], 5).indices.tolist()
+
+
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(2, 5), [row()])
