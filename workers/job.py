@@ -196,6 +196,7 @@ class Job:
         self.ids = {i: list(v) for i, v in t.ids.items()}
         self.logprobs = {i: list(v) for i, v in t.logprobs.items()}
         self.token_texts = dict(t.token_texts)
+        self.prompt_scores = t.prompt  # a resumed prefill scores the prompt again, if asked
         self.first_token_at, self.recorded = t.first_token_at, True
 
     @property

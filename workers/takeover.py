@@ -21,7 +21,7 @@ from typing import Optional
 from genpool.engine.identity import ModelIdentity
 from genpool.engine.resume import ResumeState
 from genpool.schemas import RestartEvent, ResumeEvent, TokenEvent
-from genpool.schemas.events import parse_event
+from genpool.schemas.events import PromptScores, parse_event
 from genpool.schemas.scripting import pipelined
 from genpool.workers.job import Job
 
@@ -35,6 +35,7 @@ class Takeover:
     first_token_at: Optional[float] = None  # when the log's first token was written
     logprobs: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # as published
     token_texts: dict[str, str] = field(default_factory=dict)
+    prompt: Optional[PromptScores] = None  # the prompt's logprobs, when the log published them
 
     @property
     def tokens(self) -> list[int]:
@@ -109,7 +110,7 @@ def plan(entries, n: int, identity: ModelIdentity) -> Takeover:
                            logprobs=log.engine_logprobs(n)),
         texts=dict(log.texts), ids={i: list(v) for i, v in log.ids.items()},
         first_token_at=log.first_at, logprobs=log.complete_logprobs(),
-        token_texts=log.token_texts)
+        token_texts=log.token_texts, prompt=log.first.prompt)
 
 
 def _why_not(log: _Log, n: int, identity: ModelIdentity) -> str:

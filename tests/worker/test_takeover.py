@@ -37,6 +37,23 @@ def test_logprobs_come_back_aligned_with_their_tokens():
     assert t.logprobs == {0: [{"1": -0.5}, {"2": -1.0}]} and t.token_texts == {"1": "a", "2": "b"}
 
 
+def test_the_prompts_logprobs_published_with_the_first_token_come_back():
+    """A job that asked for prompt_logprobs and finished before its result was written: the taker
+    runs no prefill, so the result's PromptScores must come from the log."""
+    from genpool.schemas.events import PromptScores
+    from genpool.workers.job import Entry, Job
+
+    scores = PromptScores(token_ids=[5, 6], logprobs=[None, {"6": -2.5}],
+                          token_texts={"5": "x", "6": "y"})
+    first = tok(0, "a", [1], first=True)
+    first.prompt = scores
+    t = plan(log(first, tok(0, "b", [2])), 1, ME)
+    assert t.prompt == scores
+    job = Job(Entry("stream", "lane", "1-0", {}))
+    job.prime(t)
+    assert job.prompt_scores == scores
+
+
 def test_an_empty_log_is_a_plain_start():
     t = plan([], 1, ME)
     assert t.resume is None and not t.restart
