@@ -55,6 +55,9 @@ def to_request(obj: dict, rec: BatchRecord, live: Optional[list[WorkerInfo]] = N
                        code="invalid_value")
     req = parse_line_body(obj, rec)
     model = req.kwargs.get("model")
+    if rec.models and model not in rec.models:
+        raise APIError(404, f"The model '{model or '(none named)'}' does not exist or this "
+                            f"batch's key may not use it", param="model", code="model_not_found")
     if live and model and not serving(live, model):
         raise APIError(404, f"The model '{model}' does not exist in this pool", param="model",
                        code="model_not_found")
@@ -66,7 +69,8 @@ def parse_line_body(obj: dict, rec: BatchRecord) -> OpenAIRequest:
                      default_model=rec.model, job_id=line_job_id(rec.id, obj["custom_id"]))
     # every line runs in the bulk lane, whatever priority its body asks for (a batch must not
     # jump ahead of interactive traffic), and ends with the batch's window
-    req.kwargs["priority"] = max(BATCH_PRIORITY, req.kwargs.get("priority", BATCH_PRIORITY))
+    req.kwargs["priority"] = max(rec.priority_ceiling,
+                                 req.kwargs.get("priority", rec.priority_ceiling))
     req.kwargs["deadline"] = float(rec.expires_at)
     req.kwargs["tenant"] = rec.owner  # the batch's tenant's job (schemas/request.py)
     return req

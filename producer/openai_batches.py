@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 
 from genpool.schemas.batches import (
     BATCH_LEASE_MS,
+    BATCH_PRIORITY,
     BATCH_TICK_S,
     COMPLETION_WINDOWS,
     MAX_FILE_BYTES,
@@ -29,6 +30,7 @@ from .batch_store import BatchStore, FileStore
 from .gateway_io import read_json
 from .openai_files import install_file_routes, list_args, listing, visible
 from .openai_format import ENDPOINTS, APIError
+from .tenancy import Principal
 
 MAX_METADATA = (16, 64, 512)  # OpenAI's bounds: keys, key length, value length
 
@@ -53,9 +55,13 @@ class BatchAPI:
         self.driver: Optional[BatchDriver] = None
         self._task: Optional[asyncio.Task] = None
 
+    async def principal(self, request: Request) -> Principal:
+        """401 unless the gateway accepts the request's key; who is calling."""
+        return await self.gw.authorize(request)
+
     async def authorize(self, request: Request) -> str:
-        """401 unless the gateway accepts the request's key; the caller's tenant."""
-        return (await self.gw.authorize(request)).tenant
+        """The caller's tenant (after principal()'s check)."""
+        return (await self.principal(request)).tenant
 
     async def start(self) -> None:
         """After the gateway's own start (its Redis client)."""
@@ -80,7 +86,7 @@ class BatchAPI:
                            code="not_found")
         return view
 
-    async def create(self, request: Request, tenant: str) -> dict:
+    async def create(self, request: Request, who: Principal) -> dict:
         body = await read_json(request, self.gw.idle_timeout_s)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -95,6 +101,7 @@ class BatchAPI:
         metadata = check_metadata(body.get("metadata"))
         fid = body.get("input_file_id")
         file = await self.files.get(fid) if isinstance(fid, str) else None
+        tenant = who.tenant
         if file is None or not visible(file.owner, tenant):
             raise APIError(404, f"No such File object: {fid}", param="input_file_id",
                            code="not_found")
@@ -106,11 +113,20 @@ class BatchAPI:
         rec = BatchRecord(id=f"batch_{uuid.uuid4().hex[:24]}", endpoint=endpoint,
                           input_file_id=fid, completion_window=window, created_at=int(now),
                           expires_at=int(now + span + 0.999), metadata=metadata, owner=tenant,
-                          model=self.gw.default_model)
+                          model=self.gw.default_model, **key_rules(who))
         await self.batches.create(rec, file.lines)
         if self.driver is not None:
             self.driver.wake.set()
         return (await self.batches.get(rec.id)).public()
+
+
+def key_rules(who: Principal) -> dict:
+    """What the caller's stored key allows the batch's lines (producer/tenancy.py applies the
+    same to a single request): its models, its priority ceiling (never above the bulk lane)."""
+    if who.key is None:
+        return {}
+    return {"models": list(who.key.models),
+            "priority_ceiling": max(BATCH_PRIORITY, who.key.priority_ceiling)}
 
 
 def check_metadata(raw: Any) -> Optional[dict[str, str]]:
@@ -133,7 +149,7 @@ def install_batch_api(app: FastAPI, gw, options: Optional[BatchOptions] = None) 
 
     @app.post("/v1/batches")
     async def create_batch(request: Request):
-        return await api.create(request, await api.authorize(request))
+        return await api.create(request, await api.principal(request))
 
     @app.get("/v1/batches")
     async def list_batches(request: Request):

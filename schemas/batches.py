@@ -81,6 +81,10 @@ class BatchRecord(BaseModel):
     metadata: Optional[dict[str, str]] = None
     owner: str = DEFAULT_OWNER
     model: Optional[str] = None  # the gateway's --model for lines that name none
+    # what the creating key allows its lines (schemas/tenant_records.py ApiKey): these models
+    # (empty: any), and no priority more urgent than this
+    models: list[str] = Field(default_factory=list)
+    priority_ceiling: int = BATCH_PRIORITY
 
 
 class BatchView(BaseModel):

@@ -23,12 +23,13 @@ def tenants(redis_url, tmp_path):
     store = KeyStore(r, Keys(prefix))
     key_a, _ = store.create("team-a", [], 1)
     key_b, _ = store.create("team-b", [], 1)
+    key_c, _ = store.create("team-c", ["some-other-model"], 1)
     worker = fake_worker(redis_url, prefix, tmp_path, "w")
     gw = Gateway(redis_url, prefix, tmp_path, "gw", "--stored-keys", "--batch-window", "600")
     try:
         gw.start()
         wait_for(lambda: workers_alive(redis_url, prefix), 60, what="worker up")
-        yield gw, key_a, key_b, r, prefix
+        yield gw, key_a, key_b, r, prefix, key_c
     finally:
         gw.stop()
         stop_proc(worker)
@@ -41,7 +42,7 @@ def as_key(gw: Gateway, key: str) -> openai.OpenAI:
 
 
 def test_another_tenants_files_and_batches_are_not_found(tenants):
-    gw, key_a, key_b, r, prefix = tenants
+    gw, key_a, key_b, r, prefix, _ = tenants
     a, b = as_key(gw, key_a), as_key(gw, key_b)
     f = a.files.create(file=("in.jsonl", io.BytesIO(jsonl([line("x", "p x"), line("y", "p y")]))),
                        purpose="batch")
@@ -65,3 +66,16 @@ def test_another_tenants_files_and_batches_are_not_found(tenants):
     assert r.hget(keys.job(line_job_id(batch.id, "x")), "tenant") == "team-a"
     with pytest.raises(openai.AuthenticationError):
         as_key(gw, "sk-nope").files.list()
+
+
+def test_a_keys_models_bind_its_batch_lines(tenants):
+    """A key limited to other models: its batch's lines for this pool's model fail alone, as its
+    single requests would (model_not_found)."""
+    gw, *_, key_c = tenants
+    c = as_key(gw, key_c)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl([line("x", "p x")]))), purpose="batch")
+    done = wait_done(c, c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                         completion_window="24h").id)
+    assert done.status == "completed" and done.request_counts.failed == 1
+    (err,) = [x for x in c.files.content(done.error_file_id).text.splitlines()]
+    assert '"model_not_found"' in err
