@@ -35,8 +35,8 @@ def test_normalization():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-    ({"max_tokens": -3}, "max_tokens must be at least 1, got -3"),
-    ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+    ({"max_tokens": -3}, "max_tokens must be at least 1 (0 only with prompt_logprobs), got -3"),
+    ({"max_tokens": 0}, "max_tokens must be at least 1 (0 only with prompt_logprobs), got 0"),
     ({"top_p": 0}, "top_p must be in (0, 1], got 0"),
     ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
     ({"top_k": -2}, "top_k must be -1 or 0 (disabled) or at least 1, got -2"),
