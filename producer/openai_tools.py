@@ -116,16 +116,16 @@ def system_text(tools: Tools) -> str:
             "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 
 
-def render_call(call: Any, i: int) -> str:
+def render_call(call: Any, i: int, where: str = "messages") -> str:
     """An assistant message's tool call as the model writes it (Hermes)."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ToolError(f"tool_calls[{i}] must carry function.name", "messages")
+        raise ToolError(f"tool_calls[{i}] must carry function.name", where)
     args = fn.get("arguments", "{}")
     try:
         args = json.loads(args) if isinstance(args, str) else args
     except ValueError:
-        raise ToolError(f"tool_calls[{i}].function.arguments is not JSON", "messages") from None
+        raise ToolError(f"tool_calls[{i}].function.arguments is not JSON", where) from None
     return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
 
 
@@ -135,24 +135,18 @@ def render_messages(messages: list, tools: Optional[Tools]) -> list:
     place for them), and the tools listed in the system message when they are shown."""
     out = [m.model_dump() if isinstance(m, ChatMessage) else m for m in messages]
     for i, m in enumerate(out):
-        if not isinstance(m, dict):
-            continue  # the job's own validation names it
-        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
-        if calls:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None  # else: the job's check
+        if calls and m.get("role") == "assistant":
+            where = f"messages.{i}.tool_calls"
             if not isinstance(calls, list):
-                raise ToolError(f"messages[{i}]: tool_calls must be a list",
-                                f"messages.{i}.tool_calls")
-            try:
-                written = [render_call(c, j) for j, c in enumerate(calls)]
-            except ToolError as e:
-                raise ToolError(f"messages[{i}]: {e}", f"messages.{i}.tool_calls") from None
-            content = m.get("content")
-            out[i] = {"role": "assistant", "content": "\n".join(filter(None, [content, *written]))}
-        elif "tool_calls" in m or "tool_call_id" in m or ("name" in m and m.get("role") == "tool"):
+                raise ToolError(f"messages[{i}]: tool_calls must be a list", where)
+            written = [render_call(c, j, where) for j, c in enumerate(calls)]
+            out[i] = {"role": "assistant",
+                      "content": "\n".join(filter(None, [m.get("content"), *written]))}
+        elif isinstance(m, dict) and {"tool_calls", "tool_call_id", "name"} & set(m):
             out[i] = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id", "name")}
     if tools is not None and tools.active and out:  # the tools go into the system message
-        text = system_text(tools)
-        first = out[0]
+        text, first = system_text(tools), out[0]
         if isinstance(first, dict) and first.get("role") == "system" \
                 and isinstance(first.get("content"), str):
             out[0] = {"role": "system", "content": f"{first['content']}\n\n{text}"}
@@ -280,8 +274,7 @@ def prepare(kw: dict) -> Optional[Tools]:
     gateway applies them: the tools shown in the system message, a required or named choice
     constraining the answer, assistant tool calls and tool results rendered. The job stays a
     plain chat job. ToolError (a ValueError) names a bad field."""
-    body = {k: kw.pop(k) for k in FIELDS if k in kw}
-    tools = parse(body)
+    tools = parse({k: kw.pop(k) for k in FIELDS if k in kw})
     messages = kw.get("messages")
     if tools is not None and tools.active and not messages:
         raise ToolError("tools need a chat job: give messages, not a prompt", "messages")

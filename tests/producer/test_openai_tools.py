@@ -124,3 +124,39 @@ def test_schemas_with_defs_and_recursion_keep_their_refs_under_the_call():
                 {"name": "tree", "arguments": {"kids": [{"kids": [1]}]}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_prepare_and_attach_give_the_python_clients_the_gateways_tools():
+    """Client.submit's path: the tool fields become a plain chat job (what the gateway sends),
+    and the result gets OpenAI tool calls per choice, completion 0's at the top level."""
+    from genpool.schemas import ChatMessage, Choice
+
+    msgs = [ChatMessage(role="user", content="Weather in Oslo?"),
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "-3 C"}]
+    kw = {"messages": msgs, "tools": [WEATHER, TIME], "tool_choice": "required",
+          "parallel_tool_calls": False, "max_tokens": 9}
+    tools = openai_tools.prepare(kw)
+    gw = parse_body("chat", {"model": "m", "messages": [{"role": "user", "content":
+                             "Weather in Oslo?"}] + msgs[1:], "tools": [WEATHER, TIME],
+                             "tool_choice": "required"})
+    assert kw["messages"] == gw.kwargs["messages"] and set(kw) == {"messages", "max_tokens",
+                                                                   "structured_outputs"}
+    assert kw["structured_outputs"] == gw.kwargs["structured_outputs"]
+    assert kw["messages"][3] == {"role": "tool", "content": "-3 C"}
+    a = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    b = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    res = openai_tools.attach(tools, JobResult(id="j", text=a, finish_reason="stop", choices=[
+        Choice(index=0, text=a), Choice(index=1, text=b)]))
+    assert [c.tool_calls[0].function.name for c in res.choices] == ["get_weather", "get_time"]
+    assert res.tool_calls == res.choices[0].tool_calls and res.content is None
+    assert json.loads(res.model_dump(mode="json")["tool_calls"][0]["function"]["arguments"]) == \
+        {"city": "Oslo"}
+    auto = openai_tools.prepare({"messages": ASK, "tools": [WEATHER]})
+    text = "Sure. <tool_call>\n" + a + "\n</tool_call>"
+    got = openai_tools.attach(auto, JobResult(id="j", text=text, finish_reason="stop"))
+    assert got.content == "Sure." and got.tool_calls[0].function.name == "get_weather"
+    plain = JobResult(id="j", text=a, finish_reason="stop")
+    assert openai_tools.attach(None, plain) is plain
