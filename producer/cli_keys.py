@@ -46,7 +46,7 @@ def register_keys(sub) -> None:
     for flag, what in (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
                        ("--max-concurrent", "jobs running at once, pool-wide (not enforced "
                                             "yet)"),
-                       ("--max-queued", "jobs waiting at once (not enforced yet)")):
+                       ("--max-queued", "jobs waiting at once (checked at submit)")):
         lim.add_argument(flag, type=int, default=None, help=f"{what}; 0 removes the limit")
     lim.add_argument("--weight", type=int, default=None, help="its share in fair pull")
     lim.set_defaults(func=cmd_limits)

@@ -18,6 +18,8 @@ from genpool.schemas.tenant_records import TenantLimits
 from genpool.schemas.tenant_scripts import RATE_LUA
 from genpool.schemas.tenants import DEFAULT_TENANT, KEY_CACHE_S, RATE_WINDOW_S, TenantKeys
 
+from .queued_cap import QueuedCap
+
 RATE = Script(RATE_LUA)
 CHARS_PER_TOKEN = 4
 _WHAT = {"requests": "requests per minute", "tokens": "tokens per minute"}
@@ -115,6 +117,7 @@ class ProducerQuota:
 
     def __init__(self, keys: Keys, enabled: bool = True):
         self.keys, self.t, self.enabled = keys, TenantKeys(keys), enabled
+        self.queued = QueuedCap(keys)
         self.cached: dict[str, tuple[float, TenantLimits]] = {}
 
     def _hit(self, tenant: str):
@@ -134,6 +137,8 @@ class ProducerQuota:
         limits = self._hit(req.tenant) or self._keep(req.tenant, r.get(self.t.limits(req.tenant)))
         if limits.rated:
             charge(r, self.keys, req, limits)
+        if limits.max_queued is not None:  # QueueCapReached (a refused job was counted above)
+            self.queued.enter(r, req.tenant, req.id, limits.max_queued)
 
     async def acheck(self, r, req: JobRequest) -> None:
         if req.tenant == DEFAULT_TENANT or not self.enabled:
@@ -142,3 +147,5 @@ class ProducerQuota:
             req.tenant, await r.get(self.t.limits(req.tenant)))
         if limits.rated:
             await acharge_cost(r, self.keys, req.tenant, estimate_tokens(req), limits)
+        if limits.max_queued is not None:
+            await self.queued.aenter(r, req.tenant, req.id, limits.max_queued)

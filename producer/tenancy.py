@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from genpool.schemas import Keys
-from genpool.schemas.tenant_records import ApiKey
+from genpool.schemas.tenant_records import ApiKey, TenantLimits
 from genpool.schemas.tenants import DEFAULT_TENANT
 
 from .keys_store import KeyCache
 from .openai_format import APIError, OpenAIRequest
+from .queued_cap import QueueCapReached, QueuedCap
 from .quotas import CHARS_PER_TOKEN, RateLimited, acharge_cost
 
 
@@ -45,6 +46,7 @@ class Tenancy:
     def __init__(self, keys: Keys, static_keys: list[bytes], stored_keys: bool):
         self.keys, self.static, self.stored = keys, static_keys, stored_keys
         self.cache: Optional[KeyCache] = None
+        self.queued = QueuedCap(keys)
 
     @property
     def checks_keys(self) -> bool:
@@ -86,10 +88,19 @@ class Tenancy:
                                code="invalid_value")
             kw["priority"] = key.priority_ceiling  # the gateway's default, lowered to the key's
         limits = await self.cache.limits(principal.tenant)
-        if not limits.rated:
-            return {}
+        headers = await self._charge(principal.tenant, kw, limits, r) if limits.rated else {}
+        if limits.max_queued is not None:
+            try:
+                await self.queued.aenter(r, principal.tenant, kw["job_id"], limits.max_queued)
+            except QueueCapReached as e:
+                raise APIError(429, str(e), type_="rate_limit_exceeded",
+                               code="tenant_queue_full", headers=headers) from None
+        return headers
+
+    async def _charge(self, tenant: str, kw: dict[str, Any], limits: TenantLimits,
+                      r) -> dict[str, str]:
         try:
-            verdict = await acharge_cost(r, self.keys, principal.tenant, estimate_cost(kw), limits)
+            verdict = await acharge_cost(r, self.keys, tenant, estimate_cost(kw), limits)
         except RateLimited as e:
             raise APIError(429, str(e), type_="rate_limit_exceeded",
                            code=f"rate_limit_{e.limit}", headers=e.verdict.headers()) from None

@@ -70,6 +70,11 @@ class TenantKeys:
         in that window (RATE_LUA resets it when a new window begins; TTL two windows)."""
         return f"{self.prefix}:rate:{self.tag}:{check_tenant(tenant)}"
 
+    def queued(self, tenant: str) -> str:
+        """Sorted set: job id -> submit time of `tenant`'s jobs that may still be waiting, for
+        its max_queued cap (producer/queued_cap.py prunes the ones that left the queue)."""
+        return f"{self.prefix}:queued:{self.tag}:{check_tenant(tenant)}"
+
     def usage(self, hour: int) -> str:
         """Hash of one USAGE_BUCKET_S bucket (hour = epoch seconds // USAGE_BUCKET_S):
         `<tenant>:prompt|completion|jobs` -> count. One key per hour, not per tenant, so

@@ -196,3 +196,49 @@ def test_a_tenant_client_raises_a_clear_error_over_its_rate(redis_url):
     finally:
         r.close()
         drop_prefix(redis_url, prefix)
+
+
+def test_a_tenants_queued_jobs_are_capped_and_a_started_or_cancelled_one_frees_a_place(
+        redis_url):
+    from genpool.producer import QueueCapReached
+
+    prefix = new_prefix("tq")
+    r = connect(redis_url, decode_responses=True)
+    try:
+        KeyStore(r, Keys(prefix)).set_limits("acme", TenantLimits(max_queued=3))
+        c = Client(redis_url, prefix, tenant="acme")
+        jobs = [c.submit(f"j{i}") for i in range(3)]
+        with pytest.raises(QueueCapReached, match="max_queued 3"):
+            c.submit("one too many")
+        Client(redis_url, prefix, tenant="beta").submit("another tenant is not held back")
+        jobs[0].cancel()
+        c.submit("fits again")
+        r.hset(c.keys.job(jobs[1].id), "state", "running")  # as CLAIM_LUA leaves it
+        c.submit("fits again too")
+        with pytest.raises(QueueCapReached):
+            c.submit("full again")
+        c.close()
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
+
+
+def test_the_gateway_answers_429_when_a_tenants_queue_is_full(redis_url):
+    from genpool.producer.gateway import create_app
+
+    prefix = new_prefix("gwq")
+    r = connect(redis_url, decode_responses=True)
+    app = create_app(redis_url, prefix, stored_keys=True, queue_without_workers=True)
+    try:
+        ks = KeyStore(r, Keys(prefix))
+        ks.set_limits("acme", TenantLimits(max_queued=1))
+        secret, _ = ks.create("acme", [], -1)
+        Client(redis_url, prefix, tenant="acme").submit("waits: no worker here")
+        with serve(app) as port:
+            got = post(f"http://127.0.0.1:{port}", secret)
+        assert got.status_code == 429, got.text
+        assert got.json()["error"]["code"] == "tenant_queue_full"
+        assert "max_queued 1" in got.json()["error"]["message"]
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
