@@ -26,8 +26,8 @@ def register_keys(sub) -> None:
     c = ks.add_parser("create", help="create a key; prints the secret once",
                       formatter_class=HELP_FMT)
     c.add_argument("--tenant", type=tenant_arg, required=True, help="whose jobs it submits")
-    c.add_argument("--model", action="append", default=[], metavar="NAME",
-                   help="a model it may use (repeat; default: none named: any model)")
+    c.add_argument("--model", action="append", default=None, metavar="NAME",
+                   help="a model it may use (repeat; default: none: any model)")
     c.add_argument("--priority-ceiling", type=int, default=CALLER_PRIORITY_CEILING,
                    help="the most urgent priority its requests may ask for (lower runs sooner)")
     c.add_argument("--name", default="", help="a note: who holds it")
@@ -38,17 +38,19 @@ def register_keys(sub) -> None:
     ls.add_argument("--json", action="store_true", help="print JSON lines")
     ls.set_defaults(func=cmd_list)
     rv = ks.add_parser("revoke", help="revoke a key by its id (key_...)", formatter_class=HELP_FMT)
-    rv.add_argument("key_id")
+    rv.add_argument("key_id", help="the key's id, as `genpool keys list` shows it")
     rv.set_defaults(func=cmd_revoke)
     lim = ks.add_parser("limits", help="show or set a tenant's limits (shared by its keys)",
                         formatter_class=HELP_FMT)
-    lim.add_argument("tenant", type=tenant_arg)
+    lim.add_argument("tenant", type=tenant_arg, help="the tenant whose limits to show or set")
     for flag, what in (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
                        ("--max-concurrent", "jobs running at once, pool-wide (not enforced "
                                             "yet)"),
                        ("--max-queued", "jobs waiting at once (checked at submit)")):
-        lim.add_argument(flag, type=int, default=None, help=f"{what}; 0 removes the limit")
-    lim.add_argument("--weight", type=int, default=None, help="its share in fair pull")
+        lim.add_argument(flag, type=int, default=None,
+                         help=f"{what}; 0 removes the limit (default: none: unchanged)")
+    lim.add_argument("--weight", type=int, default=None,
+                     help="its share in fair pull (not enforced yet; default: none: unchanged)")
     lim.set_defaults(func=cmd_limits)
     for q in (c, ls, rv, lim):
         add_connection_args(q)
@@ -68,7 +70,7 @@ def cmd_create(a: argparse.Namespace) -> int:
     if a.days <= 0:
         print("genpool keys create: --days must be > 0", file=sys.stderr)
         return 2
-    secret, key = _store(a).create(a.tenant, a.model, a.priority_ceiling, a.name, a.days)
+    secret, key = _store(a).create(a.tenant, a.model or [], a.priority_ceiling, a.name, a.days)
     print(secret)
     print(f"created {key.id} for tenant {key.tenant!r}; the secret above is shown only now",
           file=sys.stderr)

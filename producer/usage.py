@@ -62,7 +62,7 @@ def register_usage(sub) -> None:
                        formatter_class=HELP_FMT,
                        description="Tokens per tenant, counted once with each job's result, "
                        f"in hourly buckets kept {USAGE_TTL_S // 86400} days.")
-    p.add_argument("--tenant", type=tenant_arg, default=None, help="only this tenant")
+    p.add_argument("--tenant", type=tenant_arg, default=None, help="only this tenant (default: none: every tenant)")
     p.add_argument("--since", default="24h",
                    help="from when: 24h, 7d, an ISO date or time (UTC), or unix seconds; whole "
                         "hours are counted")
