@@ -19,6 +19,8 @@ import time
 import uuid
 from typing import Optional
 
+import redis
+
 from genpool.schemas import JobResult
 from genpool.schemas.batch_scripts import BATCH_ANSWER_LUA, BATCH_LEASE_LUA, BATCH_RELEASE_LUA
 from genpool.schemas.batches import (
@@ -34,6 +36,7 @@ from . import batch_lines as bl
 from .aio import AsyncClient
 from .batch_files import write_results
 from .batch_store import BatchStore, FileStore, batch_ttl_s
+from .batch_webhooks import WebhookOptions, Webhooks
 from .liveness import live_workers_async
 from .openai_format import APIError
 from .protocol import last_terminal, terminal_from_hash
@@ -50,18 +53,26 @@ class LeaseLost(Exception):
 
 class BatchDriver:
     def __init__(self, client: AsyncClient, files: FileStore, batches: BatchStore, *,
-                 lease_ms: int = BATCH_LEASE_MS, tick_s: float = BATCH_TICK_S):
+                 lease_ms: int = BATCH_LEASE_MS, tick_s: float = BATCH_TICK_S,
+                 webhook: Optional[WebhookOptions] = None):
         self.client, self.r, self.keys = client, client.redis, client.keys
         self.files, self.batches = files, batches
         self.lease_ms, self.tick_s = lease_ms, tick_s
         self.token = uuid.uuid4().hex  # this gateway's name on the leases it holds
         self.wake = asyncio.Event()
+        self.webhooks = Webhooks(self.r, self.keys, webhook, self.token) if webhook else None
+
+    async def close(self) -> None:
+        if self.webhooks is not None:
+            await self.webhooks.close()
 
     async def run(self) -> None:
         """The background loop: never ends on an error (a lost Redis, a bad record) but logs it."""
         while True:
             try:
                 await self.tick()
+                if self.webhooks is not None:
+                    await self.webhooks.deliver_due(self.batches)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the gateway's other routes must go on
@@ -81,6 +92,10 @@ class BatchDriver:
                 await self.drive(bid)
             except LeaseLost:
                 log.info("batch %s: its lease went to another gateway", bid)
+            except (asyncio.CancelledError, redis.ConnectionError, redis.TimeoutError):
+                raise  # a stop, or Redis away: the whole pass waits for the next tick
+            except Exception:  # noqa: BLE001 - one batch that cannot go on must not stop others
+                log.exception("batch %s: this step failed; it is tried again next pass", bid)
 
     async def renew(self, bid: str) -> None:
         if await LEASE.acall(self.r, [self.keys.batch_lease(bid)],
@@ -91,7 +106,7 @@ class BatchDriver:
         """One step of one batch, from whatever state Redis holds."""
         view = await self.batches.get(bid)
         if view is None or view.status in TERMINAL_BATCH:
-            await self.retire(bid)
+            await self.retire(bid, view is not None)
             return
         if view.status in ("validating", "in_progress") and time.time() >= view.record.expires_at:
             await self.expire(bid, view)
@@ -139,6 +154,7 @@ class BatchDriver:
             await self.move(bid, ("validating",), "failed", "failed_at", errors=json.dumps(
                 [{"code": "input_file_missing", "message": f"the input file "
                   f"{rec.input_file_id} was deleted before the batch ran"}]))
+            await self.retire(bid, True)
             return
         done = set(await self.r.hkeys(self.keys.batch_done(bid)))
         live = await live_workers_async(self.r, self.keys)
@@ -279,8 +295,12 @@ class BatchDriver:
         leave = {"completed": ("finalizing",), "cancelled": ("cancelling",),
                  "expired": ("validating", "in_progress")}[final]
         await self.move(bid, leave, final, f"{final}_at", **ids)
-        await self.retire(bid)
+        await self.retire(bid, True)
 
-    async def retire(self, bid: str) -> None:
+    async def retire(self, bid: str, ended: bool) -> None:
+        """The batch is over (`ended`: it exists and reached its final state): no driver looks
+        at it again, and its webhook event is due (once: notify is idempotent)."""
+        if ended and self.webhooks is not None:
+            await self.webhooks.notify(bid)
         await self.r.zrem(self.keys.batches_active, bid)
         await RELEASE.acall(self.r, [self.keys.batch_lease(bid)], [self.token])

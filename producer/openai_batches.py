@@ -27,6 +27,7 @@ from genpool.schemas.batches import (
 
 from .batch_driver import BatchDriver
 from .batch_store import BatchStore, FileStore
+from .batch_webhooks import WebhookOptions
 from .gateway_io import read_json
 from .openai_files import install_file_routes, list_args, listing, visible
 from .openai_format import ENDPOINTS, APIError
@@ -44,6 +45,7 @@ class BatchOptions:
     drive: bool = True
     lease_ms: int = BATCH_LEASE_MS
     tick_s: float = BATCH_TICK_S
+    webhook: Optional[WebhookOptions] = None  # a signed POST when a batch ends
 
 
 class BatchAPI:
@@ -69,7 +71,8 @@ class BatchAPI:
         self.files = FileStore(client.redis, client.keys)
         self.batches = BatchStore(client.redis, client.keys)
         self.driver = BatchDriver(client, self.files, self.batches,
-                                  lease_ms=self.options.lease_ms, tick_s=self.options.tick_s)
+                                  lease_ms=self.options.lease_ms, tick_s=self.options.tick_s,
+                                  webhook=self.options.webhook)
         if self.options.drive:
             self._task = asyncio.ensure_future(self.driver.run())
 
@@ -78,6 +81,8 @@ class BatchAPI:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        if self.driver is not None:
+            await self.driver.close()
 
     async def owned(self, tenant: str, batch_id: str) -> BatchView:
         view = await self.batches.get(batch_id)

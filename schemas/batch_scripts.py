@@ -58,3 +58,28 @@ if ARGV[4] ~= '' then redis.call('HSETNX', KEYS[2], ARGV[4], ARGV[5]) end
 for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 return {1, s}
 """
+
+# Claim the sending of a batch's end event. KEYS[1] the webhook hash; ARGV: now (ms), claim ms,
+# token. Returns 'go' (this sender holds it until now + claim ms), 'busy' (another does), or the
+# state when it is no longer pending ('delivered', 'dead'; 'gone' when there is none).
+WEBHOOK_CLAIM_LUA = """
+local s = redis.call('HGET', KEYS[1], 'state')
+if s ~= 'pending' then return s or 'gone' end
+if tonumber(redis.call('HGET', KEYS[1], 'until') or '0') > tonumber(ARGV[1]) then
+  return 'busy'
+end
+redis.call('HSET', KEYS[1], 'until', tonumber(ARGV[1]) + tonumber(ARGV[2]), 'holder', ARGV[3])
+return 'go'
+"""
+
+# Record one try. KEYS[1] the webhook hash; ARGV: token, 1 (delivered) or 0, the most tries.
+# Returns {tries, state}, or {-1, ''} when this sender's claim was lost (nothing recorded).
+WEBHOOK_SETTLE_LUA = """
+if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] then return {-1, ''} end
+local tries = redis.call('HINCRBY', KEYS[1], 'tries', 1)
+local state = 'pending'
+if ARGV[2] == '1' then state = 'delivered' elseif tries >= tonumber(ARGV[3]) then state = 'dead' end
+redis.call('HSET', KEYS[1], 'state', state)
+redis.call('HDEL', KEYS[1], 'until', 'holder')
+return {tries, state}
+"""

@@ -29,6 +29,9 @@ BATCH_LEASE_MS = 5000  # a driver's claim on a batch; a dead gateway's batch is 
 BATCH_TICK_S = 0.25  # how often a gateway's driver looks at the active batches
 BATCH_PRIORITY = 1  # the bulk lane: interactive work (the gateway's own, priority < 0) goes first
 MAX_LIST_LIMIT = 100
+# Webhooks on a batch's end: tries before the event is dead-lettered, the first retry's delay
+# (doubling, at most WEBHOOK_MAX_DELAY_S), one POST's time limit.
+WEBHOOK_TRIES, WEBHOOK_BACKOFF_S, WEBHOOK_MAX_DELAY_S, WEBHOOK_TIMEOUT_S = 8, 1.0, 600.0, 10.0
 BAD_LINES_SHOWN = 10  # an upload refused for bad lines names this many of them
 DEFAULT_OWNER = DEFAULT_TENANT  # the tenant of a record made by a caller no key maps to one
 

@@ -235,6 +235,21 @@ class Keys:
         """Sorted set: batch id -> expires_at of every batch not yet ended (what drivers scan)."""
         return f"{self.prefix}:batches:{self.tag}:active"
 
+    def batch_webhook(self, batch_id: str) -> str:
+        """Hash: the delivery of the batch's end event: state (pending, delivered, dead), tries,
+        until (ms: a sender's claim), holder."""
+        return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}:webhook"
+
+    @property
+    def webhooks_due(self) -> str:
+        """Sorted set: batch id -> when (s) its end event is to be sent (again)."""
+        return f"{self.prefix}:webhooks:{self.tag}:due"
+
+    @property
+    def webhooks_dead(self) -> str:
+        """Sorted set: batch id -> when its end event was given up on (dead-lettered)."""
+        return f"{self.prefix}:webhooks:{self.tag}:dead"
+
 
 # -- what these keys need from the server --------------------------------------------------------
 # Lane streams hold the queued jobs, job hashes each job's state and lease; those hashes and the

@@ -81,6 +81,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("GENPOOL_PREFIX", "connection", "prefix", _text, "genpool", "key prefix (--prefix wins)"),
     Setting("GENPOOL_API_KEYS", "gateway", "api_keys", parse_list, (),
             "the gateway's accepted bearer keys, comma-separated (--api-key wins)"),
+    Setting("GENPOOL_WEBHOOK_SECRET", "gateway", "webhook_secret", _text, None,
+            "the key that signs batch webhooks (whsec_<base64>, as OpenAI's; or any text)"),
     Setting("GENPOOL_LOG_LEVEL", "worker", "log_level", _text, "INFO", "`genpool worker` log level"),
     Setting("GENPOOL_METRICS_PORT", "worker", "metrics_port", parse_port, None,
             "serve Prometheus /metrics on this port"),

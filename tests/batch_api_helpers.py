@@ -3,6 +3,7 @@ batch input files, waiting for a batch to end, and reading its files."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,8 +21,10 @@ DONE = ("completed", "failed", "expired", "cancelled")
 class Gateway:
     """One `genpool gateway` process; start() again after kill() (same port)."""
 
-    def __init__(self, url: str, prefix: str, logs: Path, name: str, *extra: str):
+    def __init__(self, url: str, prefix: str, logs: Path, name: str, *extra: str,
+                 env: dict | None = None):
         self.url, self.prefix, self.logs, self.name, self.extra = url, prefix, logs, name, extra
+        self.env = dict(os.environ, **(env or {}))
         self.port, self.proc, self.starts = free_port(), None, 0
         self.base = f"http://127.0.0.1:{self.port}"
 
@@ -30,7 +33,7 @@ class Gateway:
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "genpool.workers.cli.main", "gateway", "--port",
              str(self.port), "--redis", self.url, "--prefix", self.prefix, "--api-key", KEY,
-             "--log-level", "warning", *self.extra], cwd=ROOT,
+             "--log-level", "warning", *self.extra], cwd=ROOT, env=self.env,
             stderr=open(self.logs / f"{self.name}-{self.starts}.log", "wb"))
         wait_for(lambda: http_ok(f"{self.base}/health") or self.proc.poll() is not None, 60,
                  what=f"gateway {self.name} up")
