@@ -141,7 +141,7 @@ class GenerationError(Exception):
 def generate(self, prompt: Optional[str] = None, *, raise_on_error: bool = True,
              **fields: Any) -> dict:
     """Same fields as `producer.Client.submit`: prompt or messages, SamplingParams names, model,
-    priority, deadline, job_id (default: this task's id), metadata; OpenAI's tools, tool_choice
+    priority, deadline, job_id (default: this task's id), metadata, tenant; OpenAI's tools, tool_choice
     and parallel_tool_calls with messages. Returns a JSON dict: job_id, text, token_ids,
     finish_reason, usage, timings, choices, worker, error (null); with tools also tool_calls
     (OpenAI's shape, or null) and content, per choice too. A job that ends
