@@ -7,8 +7,9 @@ any gateway takes over a batch whose driver died and goes on from where it was.
   to another writes nothing more.
 - Exactly one answer per custom_id: answers go into the batch's done hash with HSETNX, and the
   files are made from that hash. A line's job id is derived from (batch id, custom_id), so a
-  second expansion after a crash submits the same ids, which the queue runs once.
-- Batches are visited earliest window end first (`Keys.batches_active` is scored by it).
+  line submitted again after a crash has the same id, which the queue runs once.
+- Which lines are submitted when: producer/batch_feed.py (a window at a time, earliest deadline
+  first across batches, a prompt prefix's first line before its others).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import redis
 from genpool.schemas import JobResult
 from genpool.schemas.batch_scripts import BATCH_ANSWER_LUA, BATCH_LEASE_LUA, BATCH_RELEASE_LUA
 from genpool.schemas.batches import (
+    BATCH_IN_FLIGHT,
     BATCH_LEASE_MS,
     BATCH_TICK_S,
     TERMINAL_BATCH,
@@ -32,13 +34,12 @@ from genpool.schemas.batches import (
 )
 from genpool.schemas.scripting import Script
 
+from . import batch_feed
 from . import batch_lines as bl
 from .aio import AsyncClient
 from .batch_files import write_results
 from .batch_store import BatchStore, FileStore, batch_ttl_s
 from .batch_webhooks import WebhookOptions, Webhooks
-from .liveness import live_workers_async
-from .openai_format import APIError
 from .protocol import last_terminal, terminal_from_hash
 
 log = logging.getLogger("genpool.gateway")
@@ -54,10 +55,10 @@ class LeaseLost(Exception):
 class BatchDriver:
     def __init__(self, client: AsyncClient, files: FileStore, batches: BatchStore, *,
                  lease_ms: int = BATCH_LEASE_MS, tick_s: float = BATCH_TICK_S,
-                 webhook: Optional[WebhookOptions] = None):
+                 webhook: Optional[WebhookOptions] = None, in_flight: int = BATCH_IN_FLIGHT):
         self.client, self.r, self.keys = client, client.redis, client.keys
         self.files, self.batches = files, batches
-        self.lease_ms, self.tick_s = lease_ms, tick_s
+        self.lease_ms, self.tick_s, self.in_flight = lease_ms, tick_s, in_flight
         self.token = uuid.uuid4().hex  # this gateway's name on the leases it holds
         self.wake = asyncio.Event()
         self.webhooks = Webhooks(self.r, self.keys, webhook, self.token) if webhook else None
@@ -111,9 +112,10 @@ class BatchDriver:
         if view.status in ("validating", "in_progress") and time.time() >= view.record.expires_at:
             await self.expire(bid, view)
         elif view.status == "validating":
-            await self.expand(bid, view)
+            await self.validate(bid, view)
         elif view.status == "in_progress":
             await self.collect(bid, view)
+            await batch_feed.feed(self, bid, view, self.in_flight)
             if not await self.r.hlen(self.keys.batch_lines(bid)):
                 await self.move(bid, ("in_progress",), "finalizing", "finalizing_at")
                 await self.finish(bid, view, "completed")
@@ -121,6 +123,15 @@ class BatchDriver:
             await self.finish(bid, view, "completed")
         elif view.status == "cancelling":
             await self.cancelling(bid, view)
+
+    async def validate(self, bid: str, view: BatchView) -> None:
+        if await batch_feed.expand(self, bid, view):
+            await self.move(bid, ("validating",), "in_progress", "in_progress_at")
+            return
+        await self.move(bid, ("validating",), "failed", "failed_at", errors=json.dumps(
+            [{"code": "input_file_missing", "message": f"the input file "
+              f"{view.record.input_file_id} was deleted before the batch ran"}]))
+        await self.retire(bid, True)
 
     async def move(self, bid: str, leave: tuple, to: str, stamp: str, **fields) -> bool:
         moved, _ = await self.batches.move(bid, self.token, leave, to, stamp, **fields)
@@ -132,7 +143,8 @@ class BatchDriver:
                      job_id: str, ttl_s: int) -> None:
         k = self.keys
         got = await ANSWER.acall(self.r, [k.batch_lease(bid), k.batch(bid), k.batch_done(bid),
-                                          k.batch_lines(bid)],
+                                          k.batch_lines(bid), k.batch_todo(bid),
+                                          k.batch_sent(bid)],
                                  [self.token, cid, bl.stored(lineno, ok, line),
                                   "completed" if ok else "failed", job_id, ttl_s])
         if got == -1:
@@ -146,54 +158,10 @@ class BatchDriver:
         return [(n, json.loads(raw)) for n, raw in enumerate(text.splitlines(), 1)
                 if raw.strip()]
 
-    async def expand(self, bid: str, view: BatchView) -> None:
-        """Every line not yet answered: a job on the bulk lane, or an error line now."""
-        rec, ttl = view.record, batch_ttl_s(view.record)
-        lines = await self.input_lines(view)
-        if lines is None:
-            await self.move(bid, ("validating",), "failed", "failed_at", errors=json.dumps(
-                [{"code": "input_file_missing", "message": f"the input file "
-                  f"{rec.input_file_id} was deleted before the batch ran"}]))
-            await self.retire(bid, True)
-            return
-        done = set(await self.r.hkeys(self.keys.batch_done(bid)))
-        live = await live_workers_async(self.r, self.keys)
-        pending: dict[str, str] = {}
-        submits: list[dict] = []
-        for n, obj in lines:
-            if obj["custom_id"] in done:
-                continue
-            jid = bl.line_job_id(bid, obj["custom_id"])
-            try:
-                req = bl.to_request(obj, rec, live)
-            except APIError as e:
-                await self.answer(bid, obj["custom_id"], n, False,
-                                  bl.http_error(jid, obj["custom_id"], e), "", ttl)
-                continue
-            pending[jid] = json.dumps({"n": n, "obj": obj})
-            submits.append(req.kwargs)
-            if len(submits) >= CHUNK:
-                await self.submit(bid, pending, submits, ttl)
-        await self.submit(bid, pending, submits, ttl)
-        await self.move(bid, ("validating",), "in_progress", "in_progress_at")
-
-    async def submit(self, bid: str, pending: dict, submits: list, ttl: int) -> None:
-        """Lines are recorded before their jobs are submitted: a crash between the two leaves
-        lines the next driver submits again (idempotent ids), never a job nobody collects."""
-        if not submits:
-            return
-        await self.renew(bid)
-        key = self.keys.batch_lines(bid)
-        await self.r.hset(key, mapping=pending)
-        await self.r.expire(key, ttl)
-        await self.client.submit_many(submits)
-        pending.clear()
-        submits.clear()
-
     async def collect(self, bid: str, view: BatchView) -> list[str]:
-        """Answer every line whose job ended; returns the job ids still running. Only the job
-        ids are read each pass: a line's input is read when its job has ended."""
-        ids = await self.r.hkeys(self.keys.batch_lines(bid))
+        """Answer every submitted line whose job ended; returns the job ids still running. Only
+        the job ids are read each pass: a line's input is read when its job has ended."""
+        ids = list(await self.r.smembers(self.keys.batch_sent(bid)))
         ttl, lost = batch_ttl_s(view.record), []
         ended: set[str] = set()
         for i in range(0, len(ids), CHUNK):
@@ -240,19 +208,22 @@ class BatchDriver:
 
     async def stop_lines(self, bid: str, view: BatchView, job_ids: list[str],
                          code: str) -> None:
-        """Cancel these lines' jobs and answer them `code` (a job that ends anyway is ignored:
-        its custom_id is answered already)."""
+        """Cancel these lines' jobs (those submitted) and answer them `code` (a job that ends
+        anyway is ignored: its custom_id is answered already)."""
         ttl = batch_ttl_s(view.record)
+        sent = await self.r.smembers(self.keys.batch_sent(bid))
         for jid, line in zip(job_ids, await self.lines_of(bid, job_ids)):
-            await self.client.cancel(jid)
+            if jid in sent:
+                await self.client.cancel(jid)
             if line is not None:
                 cid = line["obj"]["custom_id"]
                 await self.answer(bid, cid, line["n"], False, bl.unrun(jid, cid, code), jid, ttl)
 
     async def expire(self, bid: str, view: BatchView) -> None:
         """Past the window: keep what finished, end the rest as batch_expired."""
-        waiting = await self.collect(bid, view)
-        await self.stop_lines(bid, view, waiting, "batch_expired")
+        await self.collect(bid, view)
+        await self.stop_lines(bid, view, await self.r.hkeys(self.keys.batch_lines(bid)),
+                              "batch_expired")
         await self.finish(bid, view, "expired")
 
     async def cancelling(self, bid: str, view: BatchView) -> None:
@@ -261,14 +232,16 @@ class BatchDriver:
         k = self.keys
         sent = await self.r.hget(k.batch(bid), "cancel_sent")
         if sent is None:
-            for jid in await self.r.hkeys(k.batch_lines(bid)):
+            for jid in await self.r.smembers(k.batch_sent(bid)):
                 await self.client.cancel(jid)
             sent = f"{time.time():.3f}"
             await self.r.hset(k.batch(bid), "cancel_sent", sent)
         waiting = await self.collect(bid, view)
         late = time.time() - float(sent) > CANCEL_GRACE_S
         states = await self.job_states(waiting)
-        await self.stop_lines(bid, view, [j for j in waiting if late or states[j] != "running"],
+        never = await self.r.zrange(k.batch_todo(bid), 0, -1)  # lines never submitted
+        await self.stop_lines(bid, view, never + [j for j in waiting
+                                                  if late or states[j] != "running"],
                               "batch_cancelled")
         if not await self.r.hlen(k.batch_lines(bid)):
             await self.finish(bid, view, "cancelled")

@@ -141,6 +141,9 @@ def _batch_args(p) -> None:
     p.add_argument("--no-batch-driver", action="store_true",
                    help="serve the Batch API but run no batch driver here (other gateways drive "
                         "the batches)")
+    p.add_argument("--batch-in-flight", type=int, default=256, metavar="N",
+                   help="lines of one batch submitted and not yet answered, at most (batches "
+                        "feed the bulk lane earliest deadline first)")
     p.add_argument("--batch-webhook", default=None, metavar="URL",
                    help="POST a signed event (OpenAI's shape) here when a batch ends; the key is "
                         "$GENPOOL_WEBHOOK_SECRET")
@@ -154,13 +157,14 @@ def _batch_options(a: argparse.Namespace):
     from .batch_webhooks import WebhookOptions
     from .openai_batches import BatchOptions
 
-    if a.max_file_bytes < 1 or (a.batch_window is not None and a.batch_window <= 0):
-        raise ValueError("--max-file-bytes and --batch-window must be > 0")
+    if a.max_file_bytes < 1 or a.batch_in_flight < 1 or (a.batch_window is not None
+                                                          and a.batch_window <= 0):
+        raise ValueError("--max-file-bytes, --batch-in-flight and --batch-window must be > 0")
     hook = None if a.batch_webhook is None else WebhookOptions(
         a.batch_webhook, value("GENPOOL_WEBHOOK_SECRET") or "", a.batch_webhook_tries,
         a.batch_webhook_backoff)
     return BatchOptions(window_s=a.batch_window, max_file_bytes=a.max_file_bytes,
-                        drive=not a.no_batch_driver, webhook=hook)
+                        drive=not a.no_batch_driver, webhook=hook, in_flight=a.batch_in_flight)
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 
 from genpool.schemas.batches import (
+    BATCH_IN_FLIGHT,
     BATCH_LEASE_MS,
     BATCH_PRIORITY,
     BATCH_TICK_S,
@@ -46,6 +47,7 @@ class BatchOptions:
     lease_ms: int = BATCH_LEASE_MS
     tick_s: float = BATCH_TICK_S
     webhook: Optional[WebhookOptions] = None  # a signed POST when a batch ends
+    in_flight: int = BATCH_IN_FLIGHT  # lines of one batch submitted and unanswered at once
 
 
 class BatchAPI:
@@ -72,7 +74,8 @@ class BatchAPI:
         self.batches = BatchStore(client.redis, client.keys)
         self.driver = BatchDriver(client, self.files, self.batches,
                                   lease_ms=self.options.lease_ms, tick_s=self.options.tick_s,
-                                  webhook=self.options.webhook)
+                                  webhook=self.options.webhook,
+                                  in_flight=self.options.in_flight)
         if self.options.drive:
             self._task = asyncio.ensure_future(self.driver.run())
 

@@ -26,15 +26,20 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# Answer one line, once. KEYS[1] lease, KEYS[2] batch hash, KEYS[3] done hash, KEYS[4] lines hash;
-# ARGV: token, custom_id, the answer's JSON, the counter it adds to ("completed" | "failed"), the
-# line's job id ("" for a line that never became a job), TTL seconds of the done hash.
+# Answer one line, once. KEYS[1] lease, KEYS[2] batch hash, KEYS[3] done hash, KEYS[4] lines hash,
+# KEYS[5] todo, KEYS[6] sent; ARGV: token, custom_id, the answer's JSON, the counter it adds to
+# ("completed" | "failed"), the line's job id ("" for a line that never became a job), TTL
+# seconds of the done hash.
 # Returns 1 (answered now), 0 (it was answered before: nothing counted again), -1 (lease lost).
 BATCH_ANSWER_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local n = redis.call('HSETNX', KEYS[3], ARGV[2], ARGV[3])
 if n == 1 then redis.call('HINCRBY', KEYS[2], ARGV[4], 1) end
-if ARGV[5] ~= '' then redis.call('HDEL', KEYS[4], ARGV[5]) end
+if ARGV[5] ~= '' then
+  redis.call('HDEL', KEYS[4], ARGV[5])
+  redis.call('ZREM', KEYS[5], ARGV[5])
+  redis.call('SREM', KEYS[6], ARGV[5])
+end
 if redis.call('TTL', KEYS[3]) < 0 then redis.call('EXPIRE', KEYS[3], ARGV[6]) end
 return n
 """

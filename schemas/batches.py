@@ -28,6 +28,11 @@ COMPLETION_WINDOWS = {"24h": 86400}  # the only window OpenAI accepts
 BATCH_LEASE_MS = 5000  # a driver's claim on a batch; a dead gateway's batch is taken over after it
 BATCH_TICK_S = 0.25  # how often a gateway's driver looks at the active batches
 BATCH_PRIORITY = 1  # the bulk lane: interactive work (the gateway's own, priority < 0) goes first
+# A batch's lines are submitted a window at a time (producer/batch_feed.py), so the bulk lane holds
+# the lines of the batch whose window ends first, and a prefix's first line runs before the rest.
+BATCH_IN_FLIGHT = 256  # lines of one batch submitted and not yet answered, at most
+PREFIX_CHARS = 512  # lines whose prompt text starts with the same this many characters share one
+PREFIX_GATE_S = 1.5  # a prefix's other lines wait this long after its first line's first token
 MAX_LIST_LIMIT = 100
 # Webhooks on a batch's end: tries before the event is dead-lettered, the first retry's delay
 # (doubling, at most WEBHOOK_MAX_DELAY_S), one POST's time limit.

@@ -51,6 +51,8 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-:]{1,64}$")
 # braces (it could move them out of their shared hash tag). schemas/request.py has the same rule.
 JOB_ID_CHARS = r"[A-Za-z0-9_.\-]{1,128}"
 JOB_ID_RE = re.compile(f"^{JOB_ID_CHARS}$")
+# a lane stream's name ends in its lane, a tenant's sub-stream's in `<lane>:t:<tenant>`
+_LANE_TAIL = re.compile(r":(high|normal|low)(?::t:[A-Za-z0-9_.\-]{1,64})?$")
 
 
 def check_job_id(job_id: str) -> str:
@@ -131,7 +133,9 @@ class Keys:
         return self.jobs(lane, shard_for(job_id, self.lane_shards))
 
     def lane_of_stream(self, stream: str) -> str:
-        return stream.rsplit(":", 1)[-1]
+        """The lane of a lane stream, or of a tenant's sub-stream of one (schemas/tenants.py)."""
+        m = _LANE_TAIL.search(stream)
+        return m.group(1) if m else stream.rsplit(":", 1)[-1]
 
     def job(self, job_id: str) -> str:
         """Job hash: state, attempts, worker, lease, result/error JSON, timestamps. `{id}` is a
@@ -213,9 +217,18 @@ class Keys:
         return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}"
 
     def batch_lines(self, batch_id: str) -> str:
-        """Hash: job id -> JSON {n: line number, obj: the input line} of each line submitted
-        and not yet answered."""
+        """Hash: job id -> JSON {n: line number, obj: the input line, lead: the job id of the
+        first line of its prompt prefix} of each valid line not yet answered."""
         return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}:lines"
+
+    def batch_todo(self, batch_id: str) -> str:
+        """Sorted set: job id -> order, of the lines not yet submitted (producer/batch_feed.py:
+        each prompt prefix's first line first, then the rest prefix by prefix)."""
+        return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}:todo"
+
+    def batch_sent(self, batch_id: str) -> str:
+        """Set: job ids of the lines submitted and not yet answered."""
+        return f"{self.prefix}:batch:{{{check_job_id(batch_id)}}}:sent"
 
     def batch_done(self, batch_id: str) -> str:
         """Hash: custom_id -> JSON output or error line: each custom_id answered once (HSETNX)."""

@@ -1,0 +1,126 @@
+"""How a batch's lines reach the queue (producer/batch_driver.py): checked all at once, submitted a
+window at a time, in an order that serves deadlines and the prefix cache.
+
+- **Expansion** (`validating`): every line is checked; a bad one is answered at once, a good one
+  goes to the batch's `lines` hash and its `todo` set, ordered: the first line of each prompt
+  prefix (its first PREFIX_CHARS characters) in input order, then the others prefix by prefix.
+- **Feeding** (`in_progress`, every pass): up to `in_flight` lines of a batch are submitted and
+  unanswered at once. A batch feeds only while no batch whose window ends sooner has lines left
+  to submit: across the pool's gateways, the bulk lane serves batches earliest deadline first.
+  A prefix's other lines wait for its first line to be computed (answered, or its first token
+  PREFIX_GATE_S old, so its worker has published the prefix), then arrive together, and prefix
+  routing (workers/router.py) sends them where the prefix is cached: each document of N x M
+  lines is prefilled about once rather than once per worker that happened to pull a line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import TYPE_CHECKING
+
+from genpool.schemas.batches import PREFIX_CHARS, PREFIX_GATE_S, BatchView
+
+from . import batch_lines as bl
+from .batch_store import batch_ttl_s
+from .liveness import live_workers_async
+from .openai_format import APIError
+
+if TYPE_CHECKING:
+    from .batch_driver import BatchDriver
+
+CHUNK = 500
+FOLLOWERS = 1 << 40  # the order of a prefix's other lines: after every prefix's first line
+SCAN = 4  # a feed looks at this many times its room for lines that may go now
+
+
+def prefix_key(kwargs: dict) -> str:
+    text = kwargs.get("prompt") or json.dumps(kwargs.get("messages"), ensure_ascii=False)
+    return hashlib.sha1(text[:PREFIX_CHARS].encode()).hexdigest()
+
+
+async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
+    """Check every line not yet answered; False when the input file is gone."""
+    rec, ttl, k = view.record, batch_ttl_s(view.record), d.keys
+    lines = await d.input_lines(view)
+    if lines is None:
+        return False
+    done = set(await d.r.hkeys(k.batch_done(bid)))
+    live = await live_workers_async(d.r, k)
+    leads: dict[str, tuple[str, int]] = {}  # prefix -> (job id, line number) of its first line
+    entries: dict[str, str] = {}
+    order: dict[str, int] = {}
+    for n, obj in lines:
+        if obj["custom_id"] in done:
+            continue
+        jid = bl.line_job_id(bid, obj["custom_id"])
+        try:
+            req = bl.to_request(obj, rec, live)
+        except APIError as e:
+            await d.answer(bid, obj["custom_id"], n, False,
+                           bl.http_error(jid, obj["custom_id"], e), "", ttl)
+            continue
+        lead_id, lead_n = leads.setdefault(prefix_key(req.kwargs), (jid, n))
+        entries[jid] = json.dumps({"n": n, "obj": obj, "lead": None if lead_id == jid else lead_id})
+        order[jid] = n if lead_id == jid else FOLLOWERS + (lead_n << 17) + n
+    ids = list(entries)
+    for i in range(0, len(ids), CHUNK):
+        chunk = ids[i:i + CHUNK]
+        await d.renew(bid)
+        await d.r.hset(k.batch_lines(bid), mapping={j: entries[j] for j in chunk})
+        await d.r.zadd(k.batch_todo(bid), {j: order[j] for j in chunk})
+    for key in (k.batch_lines(bid), k.batch_todo(bid)):
+        await d.r.expire(key, ttl)
+    return True
+
+
+async def first_in_line(d: "BatchDriver", view: BatchView) -> bool:
+    """Whether no batch whose window ends sooner still has lines to submit."""
+    k = d.keys
+    sooner = await d.r.zrangebyscore(k.batches_active, "-inf", f"({view.record.expires_at}")
+    for other in sooner:
+        if other != view.record.id and await d.r.zcard(k.batch_todo(other)) and \
+                await d.r.hget(k.batch(other), "status") == "in_progress":
+            return False
+    return True
+
+
+async def feed(d: "BatchDriver", bid: str, view: BatchView, in_flight: int) -> int:
+    """Submit what may go now; returns how many lines were submitted."""
+    k = d.keys
+    room = in_flight - await d.r.scard(k.batch_sent(bid))
+    if room <= 0 or not await d.r.zcard(k.batch_todo(bid)) or not await first_in_line(d, view):
+        return 0
+    ids = await d.r.zrange(k.batch_todo(bid), 0, room * SCAN - 1)
+    infos = await d.lines_of(bid, ids)
+    ready: dict[str, bool] = {}
+    picked = []
+    for jid, info in zip(ids, infos):
+        if info is None:
+            continue
+        lead = info["lead"]
+        if lead is not None and lead not in ready:
+            ready[lead] = await lead_computed(d, bid, lead)
+        if lead is None or ready[lead]:
+            picked.append((jid, info))
+        if len(picked) >= room:
+            break
+    if not picked:
+        return 0
+    # sent before submitted: a crash between leaves a sent line with no job, which collect()
+    # finds lost and submits (same id); never a job that no one collects
+    await d.r.sadd(k.batch_sent(bid), *[j for j, _ in picked])
+    await d.r.expire(k.batch_sent(bid), batch_ttl_s(view.record))
+    await d.client.submit_many([bl.parse_line_body(x["obj"], view.record).kwargs
+                                for _, x in picked])
+    await d.r.zrem(k.batch_todo(bid), *[j for j, _ in picked])
+    return len(picked)
+
+
+async def lead_computed(d: "BatchDriver", bid: str, lead: str) -> bool:
+    """A prefix's first line is answered, or its first token is PREFIX_GATE_S old (a stream
+    entry's id starts with its time in ms)."""
+    if not await d.r.hexists(d.keys.batch_lines(bid), lead):
+        return True
+    first = await d.r.xrange(d.keys.events(lead), count=1)
+    return bool(first) and int(first[0][0].split("-")[0]) / 1000 <= time.time() - PREFIX_GATE_S
