@@ -40,7 +40,9 @@ async def page(r, index: str, after: Optional[str], limit: int, load) -> tuple[l
     the visible records of those ids (None for one that is gone or not the caller's); ids whose
     record expired are dropped from the index on the way."""
     ids = await r.zrevrange(index, 0, -1)
-    start = ids.index(after) + 1 if after in ids else 0
+    if after is not None and after not in ids:
+        return [], False  # a cursor that is gone (deleted, expired): nothing after it
+    start = ids.index(after) + 1 if after is not None else 0
     out, gone, i = [], [], start
     while i < len(ids) and len(out) <= limit:
         chunk = ids[i:i + limit + 1]
