@@ -43,12 +43,12 @@ def legacy_draws():
     def draw(probs, gen):
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    saved = sampler_mod.Sampler._uniform, sampler_mod.sample_inverse_cdf
-    sampler_mod.Sampler._uniform, sampler_mod.sample_inverse_cdf = key_of, draw
+    saved = sampler_mod.Sampler.uniform, sampler_mod.sample_inverse_cdf
+    sampler_mod.Sampler.uniform, sampler_mod.sample_inverse_cdf = key_of, draw
     try:
         yield
     finally:
-        sampler_mod.Sampler._uniform, sampler_mod.sample_inverse_cdf = saved
+        sampler_mod.Sampler.uniform, sampler_mod.sample_inverse_cdf = saved
 
 
 def sampler_alone(rows: int, calls: int) -> float:

@@ -143,7 +143,9 @@ class BlockManager:
             self._copy_on_write(seq)
         for _ in range(max(new_needed, 0)):
             seq.block_table.append(self._allocate_block())
-        self._register_full_blocks(seq, total)
+        # drafted tokens (engine/speculative.py) are not known to be right: blocks they fill are
+        # hashed once verified tokens fill them, by a later allocation
+        self._register_full_blocks(seq, min(total, len(seq.token_ids)))
         return True
 
     def _needs_cow(self, seq, computed: int, num_new: int) -> int:

@@ -77,6 +77,16 @@ class EngineConfig:
         "GPU each on NCCL); num_threads is shared out among them"))
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_opt(
         "seconds a structured-output grammar may take to compile before its job fails"))
+    speculative_method: str | None = field(default=None, metadata=_opt(
+        "ngram: speculative decoding, exact, with drafts looked up in each sequence's own tokens "
+        "(vLLM's prompt lookup; engine/speculative.py) (default: none: only jobs that ask "
+        "(speculative=true) draft)", choices=("ngram",)))
+    num_speculative_tokens: int = field(default=4, metadata=_opt("tokens one draft proposes at most"))
+    prompt_lookup_min: int = field(default=2, metadata=_opt("shortest suffix n-gram a draft looks up"))
+    prompt_lookup_max: int = field(default=4, metadata=_opt("longest suffix n-gram a draft looks up"))
+    speculative_max_batch: int = field(default=8, metadata=_opt(
+        "no drafts while more sequences than this run (vLLM's disable_by_batch_size): there the "
+        "draft rows cost more than they save"))
     # {field: "explicit" | "env GENPOOL_X" | "default"} for KERNEL_FIELDS; filled by __post_init__
     # (given only by dataclasses.replace / asdict round trips, which keep the sources)
     setting_sources: dict = field(default_factory=dict, compare=False, repr=False,
@@ -113,6 +123,12 @@ class EngineConfig:
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError("quantized weights are not supported with tensor_parallel_size > 1 yet: "
                              "drop --quantization or use --tensor-parallel-size 1")
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError(f"speculative_method must be ngram or none, got {self.speculative_method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max or self.num_speculative_tokens < 1:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max and "
+                             f"num_speculative_tokens >= 1, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}, {self.num_speculative_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -133,6 +149,15 @@ class EngineConfig:
 
         return KernelSettings(cpu_gemm=self.cpu_gemm, quant_compute=self.quant_compute,
                               huge_pages=self.huge_pages)
+
+    def spec_config(self):
+        """The speculative decoding settings (engine/speculative.py); None when not configured."""
+        from genpool.engine.speculative import SpecConfig
+
+        if self.speculative_method is None:
+            return None
+        return SpecConfig(self.num_speculative_tokens, self.prompt_lookup_min,
+                          self.prompt_lookup_max, self.speculative_max_batch)
 
     def resolved_device(self) -> str:
         """The device the engine runs on: "auto" becomes "cuda" when torch sees a GPU, else "cpu"."""

@@ -111,7 +111,7 @@ class StepChannel:
             start, table = seq.num_computed_tokens, seq.block_table
             score = seq.prompt_score_rows(n)  # the rows kept must agree on every rank
             payload += (start, n, seq.num_tokens, len(table), score.start, score.stop)
-            payload += seq.token_ids[start:start + n]
+            payload += seq.step_token_ids(n)
             payload += table
         payload[3] = len(payload)
         self._send(payload)
@@ -141,18 +141,6 @@ class StepChannel:
         return head[0], scheduled, copies
 
 
-class _Window:
-    """token_ids as ModelRunner.prepare slices it: only this step's new tokens are known here."""
-
-    def __init__(self, start: int, tokens: list[int]):
-        self.start, self.tokens = start, tokens
-
-    def __getitem__(self, s: slice) -> list[int]:
-        if s.start != self.start or s.stop != self.start + len(self.tokens):
-            raise IndexError(f"a follower rank knows tokens {self.start}..{self.start + len(self.tokens)} only")
-        return self.tokens
-
-
 @dataclass
 class StepSeq:
     """What ModelRunner.prepare reads of a Sequence, rebuilt on ranks 1..N-1 from the broadcast."""
@@ -165,9 +153,8 @@ class StepSeq:
     def prompt_score_rows(self, n: int) -> range:
         return self.score_rows
 
-    @property
-    def token_ids(self) -> _Window:
-        return _Window(self.num_computed_tokens, self.new_tokens)
+    def step_token_ids(self, n: int) -> list[int]:
+        return self.new_tokens
 
 
 def die(message: str) -> None:

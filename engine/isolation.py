@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from genpool.engine import prompt_logprobs
+from genpool.engine import step_rows
 from genpool.engine.sequence import Sequence
 
 log = logging.getLogger("genpool.engine")
@@ -20,7 +20,7 @@ Execute = Callable[[Scheduled, list], torch.Tensor]  # ModelRunner.execute(sched
 def bisect(execute: Execute, scheduled: Scheduled, exc: Exception | None,
            fail: Callable[[Sequence, Exception], None]) -> list[tuple[Scheduled, list]]:
     """[(part, [(prompt-scoring rows or None, sampled logits row or None) per (seq, n)])] for
-    the parts that ran (engine/prompt_logprobs.py's split); `fail(seq, exc)` for each
+    the parts that ran (engine/step_rows.py's split); `fail(seq, exc)` for each
     request that fails on its own. `exc` is the failure of `scheduled` as a whole, if known.
     Block copies were applied by the first try: never passed again."""
     if exc is None:
@@ -29,7 +29,7 @@ def bisect(execute: Execute, scheduled: Scheduled, exc: Exception | None,
         except Exception as e:  # noqa: BLE001 - whatever it is, it must not fail the whole batch
             exc = e
         else:
-            scores, rows = prompt_logprobs.split(scheduled, logits)
+            scores, rows = step_rows.split(scheduled, logits)
             return [(scheduled, list(zip(scores, rows)))]
     if len(scheduled) == 1:
         seq = scheduled[0][0]

@@ -6,9 +6,25 @@ from genpool.engine.llm_engine import LLMEngine
 from genpool.engine.outputs import RequestOutput
 from genpool.engine.sampling_params import SamplingParams
 
+# vLLM's speculative_config keys -> EngineConfig fields
+SPEC_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+             "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max",
+             "disable_by_batch_size": "speculative_max_batch"}
+
+
+def speculative_fields(spec: dict) -> dict:
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} (known: "
+                         f"{', '.join(SPEC_KEYS)})")
+    return {SPEC_KEYS[k]: v for k, v in spec.items()}
+
 
 class LLM:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, speculative_config: dict | None = None, **kwargs):
+        """`speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}."""
+        kwargs.update(speculative_fields(speculative_config or {}))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 

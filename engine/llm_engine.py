@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from genpool.engine import isolation, limits, prompt_logprobs
+from genpool.engine import isolation, limits, prompt_logprobs, step_rows
 from genpool.engine import resume as resume_mod
 from genpool.engine.block_manager import BlockManager
 from genpool.engine.config import EngineConfig
@@ -24,6 +24,7 @@ from genpool.engine.sampler import Sampler, SampleRow, make_generator
 from genpool.engine.sampling_params import SamplingParams
 from genpool.engine.scheduler import SampledToken, Scheduler
 from genpool.engine.sequence import Sequence, SequenceStatus
+from genpool.engine.speculative import Speculator
 from genpool.engine.startup import StartLog, mib
 from genpool.engine.structured import StructuredOutputs
 from genpool.engine.tokenizer import load_tokenizer, read_eos_ids
@@ -66,6 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(make_generator(config.seed))
+        self.speculator = Speculator(config.spec_config(), self.max_model_len)
         # unseeded sampled requests get a seed from here at admission (reported as
         # RequestOutput.seed, so a resume can reuse it); config.seed keeps a run reproducible
         self._seed_source = random.Random(config.seed)
@@ -220,6 +222,7 @@ class LLMEngine:
             self._fail(rid, RequestError("invalid_request", message))
         outputs, self._aborted = self._aborted, []
         outputs += self._take_resumed()
+        self.speculator.draft(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._release_heap()
@@ -227,12 +230,12 @@ class LLMEngine:
             return self._take_failed(outputs)
         masks = self.structured.start_masks(sched.sampling)  # filled while the model computes
         n = len(sched.scheduled)
-        logits = self._run(sched)
+        logits, drafts = self._run(sched)
         if len(sched.scheduled) != n:  # fault isolation narrowed the batch: renumber mask rows
             masks = self.structured.start_masks(sched.sampling)
         for rid, message in self.structured.apply_masks(masks, logits):
             self._fail(rid, RequestError("invalid_request", message))
-        sampled = self._sample(logits, sched.sampling)
+        sampled = self._sample(logits, sched.sampling, drafts)
         applied = self.scheduler.update(sched, sampled)
         outputs.extend(self.output.outputs(applied))
         outputs.extend(self._end_unsampled(sched.sampling))
@@ -245,27 +248,32 @@ class LLMEngine:
         self._failed = []
         return outputs
 
-    def _run(self, sched) -> torch.Tensor:
-        """The forward pass -> the sampled rows' logits (prompt rows scored on the way)."""
+    def _run(self, sched) -> tuple[torch.Tensor, dict]:
+        """The forward pass -> one logits row per sampling sequence, and {seq: its rows} for
+        those that verify a draft (prompt rows scored on the way)."""
         t0 = time.perf_counter()
         try:
-            scores, logits = self._split(sched.scheduled,
-                                         self.runner.execute(sched.scheduled, sched.block_copies))
+            out = self.runner.execute(sched.scheduled, sched.block_copies)
+            scores, samples = self._split(sched.scheduled, out)
         except Exception as exc:  # noqa: BLE001 - whatever it is, it must not fail the whole batch
-            scores, logits = self._isolate(sched, exc)
+            scores, samples = self._isolate(sched, exc)
         self._score_prompts(sched.scheduled, scores)
         self._big_steps |= sched.num_batched_tokens >= TRIM_AFTER_TOKENS
         self._note_step_time(sched, time.perf_counter() - t0)
-        return logits
+        if isinstance(samples, torch.Tensor):  # the usual step: every row is a sampled one
+            return samples, {}
+        drafts = {seq: r for (seq, _), r in zip(sched.scheduled, samples)
+                  if r is not None and r.shape[0] > 1}
+        rows = [r[0] for r in samples if r is not None]
+        return (torch.stack(rows) if rows else torch.empty(0, self.runner.args.vocab_size)), drafts
 
     @staticmethod
-    def _split(scheduled, logits: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """The runner's rows -> (per entry its prompt-scoring rows or None, the sampled rows)."""
-        if not any(seq.prompt_score_rows(n) for seq, n in scheduled):
-            return [None] * len(scheduled), logits  # the usual step: every row is a sampled one
-        scores, samples = prompt_logprobs.split(scheduled, logits)
-        rows = [r for r in samples if r is not None]
-        return scores, torch.stack(rows) if rows else logits[:0]
+    def _split(scheduled, logits: torch.Tensor) -> tuple[list, torch.Tensor | list]:
+        """The runner's rows -> (per entry its prompt-scoring rows or None, and either the
+        sampled rows as they are or, when some entry keeps more, per entry its rows or None)."""
+        if not any(seq.draft or seq.prompt_score_rows(n) for seq, n in scheduled):
+            return [None] * len(scheduled), logits
+        return step_rows.split(scheduled, logits)
 
     def _score_prompts(self, scheduled, scores: list) -> None:
         for (seq, n), rows in zip(scheduled, scores):
@@ -301,21 +309,18 @@ class LLMEngine:
         self._big_steps = False
 
     # -- fault isolation -------------------------------------------------------------------
-    def _isolate(self, sched, exc: Exception) -> tuple[list, torch.Tensor]:
+    def _isolate(self, sched, exc: Exception) -> tuple[list, list]:
         """The forward pass raised: engine/isolation.py runs the step again in halves and fails the
         request(s) that make it fail on their own; sched.scheduled and sched.sampling are narrowed
         to everyone else, whose logits come back."""
         log.warning("engine step failed for a batch of %d (%s: %s); isolating the cause",
                     len(sched.scheduled), type(exc).__name__, exc)
         parts = isolation.bisect(self.runner.execute, sched.scheduled, exc, self._fail_step)
-        live = [(seq, n, score, row) for part, rows in parts
-                for (seq, n), (score, row) in zip(part, rows) if seq.request_id in self.requests]
+        live = [(seq, n, score, rows) for part, per in parts
+                for (seq, n), (score, rows) in zip(part, per) if seq.request_id in self.requests]
         sched.scheduled = [(seq, n) for seq, n, _, _ in live]
-        sched.sampling = [seq for seq, _, _, row in live if row is not None]
-        sampled = [r for _, _, _, r in live if r is not None]
-        vocab = self.runner.args.vocab_size
-        return ([score for _, _, score, _ in live],
-                torch.stack(sampled) if sampled else torch.empty(0, vocab))
+        sched.sampling = [seq for seq, _, _, rows in live if rows is not None]
+        return [score for _, _, score, _ in live], [rows for _, _, _, rows in live]
 
     def _fail_step(self, seq: Sequence, exc: Exception) -> None:
         self._fail(seq.request_id, RequestError(
@@ -340,10 +345,16 @@ class LLMEngine:
         req.error = error
         self._failed.append(req.delta_output({}))
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[SampledToken]:
-        keep = [i for i, s in enumerate(sampling) if s.params.max_tokens != 0]
-        if len(keep) != len(sampling):  # max_tokens=0: nothing to sample (_end_unsampled)
+    def _sample(self, logits: torch.Tensor, sampling: list[Sequence],
+                drafts: dict) -> list[SampledToken]:
+        # max_tokens=0: nothing to sample (_end_unsampled); a draft: verified by the speculator
+        keep = [i for i, s in enumerate(sampling) if s.params.max_tokens != 0 and s not in drafts]
+        if len(keep) != len(sampling):
             logits, sampling = logits[keep], [sampling[i] for i in keep]
+        verified = self.speculator.verify(self.sampler, drafts, self._row, self._fail_step)
+        return self._sample_rows(logits, sampling) + verified
+
+    def _sample_rows(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[SampledToken]:
         rows, seqs, parents = self._expand_forks(sampling)
         if not seqs:
             return []

@@ -13,8 +13,8 @@ from genpool.engine.config import EngineConfig, apply_kernel_settings
 from genpool.engine.cpu_alloc import default_kv_budget, lazy_zeros, trim_heap, tune_malloc
 from genpool.engine.models.llama import rope_cache
 from genpool.engine.models.loader import load_model
-from genpool.engine.prompt_logprobs import row_layout
 from genpool.engine.startup import StartLog, mib
+from genpool.engine.step_rows import row_layout
 from genpool.kernels import get_backend
 
 
@@ -97,8 +97,8 @@ class ModelRunner:
 
     def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """scheduled: [(seq, num_new)] -> input ids [T], positions [T], attention meta, and the
-        flat rows the model returns: each sampled sequence's last row and, for one that scores
-        its prompt, its trailing rows from the first it scores (engine/prompt_logprobs.py).
+        flat rows the model returns: each sampled sequence's last row, and more trailing rows
+        of one that scores its prompt or verifies a draft (engine/step_rows.py).
         meta.keep: the last layer's attention meta for those rows alone (no rows when nothing is
         kept this step), or None when every row is kept (see LlamaForCausalLM.forward)."""
         bs = self.block_size
@@ -106,7 +106,7 @@ class ModelRunner:
         keep_rows, keep_qsl, keep_seqs = [], [0], []
         for i, (seq, n) in enumerate(scheduled):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.step_token_ids(n))
             pos.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -141,8 +141,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled, copies: list[tuple[int, int]]) -> torch.Tensor:
         """One forward over the flattened batch -> fp32 logits [kept rows, V] (on CPU), in the
-        order engine/prompt_logprobs.py's row_layout gives: one per sampling sequence, plus the
-        prompt rows of a sequence that scores its prompt."""
+        order engine/step_rows.py's row_layout gives: one per sampling sequence, plus the prompt
+        rows of a sequence that scores its prompt and the draft rows of one that verifies."""
         self.copy_blocks(copies)
         input_ids, positions, meta, rows = self.prepare(scheduled)
         kept = len(rows)

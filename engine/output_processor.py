@@ -32,9 +32,16 @@ class OutputProcessor:
     def outputs(self, applied: list[SampledToken]) -> list[RequestOutput]:
         now = time.monotonic()
         per_req: dict[str, dict[int, CompletionOutput]] = {}
-        for s in applied:
+        # a sequence that verified a draft has several tokens here: its text is flushed after
+        # its last one, and a stop string drops the tokens after the one that completes it
+        last = {id(s.seq): k for k, s in enumerate(applied)}
+        cut: dict[int, list] = {}  # id(seq) -> [seq, tokens dropped after its stop string]
+        for k, s in enumerate(applied):
             seq, req = s.seq, self.requests.get(s.seq.request_id)
             if req is None:  # failed after another of its samples was applied
+                continue
+            if id(seq) in cut:
+                cut[id(seq)][1] += 1
                 continue
             self.counters["generation_tokens_total"] += 1
             if s.logprob is not None:
@@ -43,13 +50,18 @@ class OutputProcessor:
                 req.metrics.first_token_time = now
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
             try:
-                delta = self._delta(s)
+                delta, stopped = self._delta(s, final=k == last[id(seq)])
             except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer bug on one token
                 log.exception("request %s failed after its token %d", seq.request_id, s.token)
                 self.fail(seq.request_id, RequestError(
                     "internal", f"processing token {s.token} failed: {type(exc).__name__}: {exc}"))
                 continue
-            per_req.setdefault(seq.request_id, {})[seq.index] = delta
+            if stopped and k != last[id(seq)]:
+                cut[id(seq)] = [seq, 0]
+            deltas = per_req.setdefault(seq.request_id, {})
+            deltas[seq.index] = _join(deltas.get(seq.index), delta)
+        for seq, dropped in cut.values():
+            del seq.token_ids[len(seq.token_ids) - dropped:]
         outs = []
         for rid, deltas in per_req.items():
             req = self.requests.get(rid)
@@ -62,21 +74,31 @@ class OutputProcessor:
             outs.append(req.delta_output(deltas))
         return outs
 
-    def _delta(self, s: SampledToken) -> CompletionOutput:
-        """The new token's text; a stop string ends the sample ("stop" beats the scheduler's "length")."""
+    def _delta(self, s: SampledToken, final: bool = True) -> tuple[CompletionOutput, bool]:
+        """The new token's text; a stop string ends the sample ("stop" beats the scheduler's
+        "length"): then True. `final`: the sample's last token this step."""
         seq, tok, lp = s.seq, s.token, s.logprob
         if seq.detokenizer is None:
             seq.detokenizer = new_detokenizer(self.tokenizer, seq)
-        text = ""
+        text, stopped = "", False
         if s.finish_reason != "stop":  # eos and stop token ids add no text
             text, stop_str = seq.detokenizer.add([tok])
             if stop_str is not None:
-                seq.stop_reason = stop_str
+                seq.stop_reason, stopped = stop_str, True
                 if seq.is_finished:
                     seq.finish_reason = "stop"
                 else:
                     self.scheduler.finish(seq, "stop")
-        if seq.is_finished:
+        if seq.is_finished and (final or stopped):
             text += seq.detokenizer.flush()  # "" when a stop string already ended the text
-        return CompletionOutput(seq.index, text, [tok], seq.finish_reason, [lp] if lp is not None else None,
-                                seq.stop_reason)
+        return CompletionOutput(seq.index, text, [tok], seq.finish_reason if final or stopped else None,
+                                [lp] if lp is not None else None, seq.stop_reason), stopped
+
+
+def _join(a: CompletionOutput | None, b: CompletionOutput) -> CompletionOutput:
+    """Two deltas of one sample in one step (a verified draft) as one."""
+    if a is None:
+        return b
+    lps = (a.logprobs or []) + (b.logprobs or [])
+    return CompletionOutput(b.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
+                            lps or None, b.stop_reason)

@@ -2,12 +2,9 @@
 token after the first, scored by the logits of the row before it, in the prefill the request runs
 anyway. A request that does not ask pays nothing: its rows are pruned at the last layer as before.
 
-Which rows a step keeps for a sequence (row_layout): when it scores prompt tokens this step
-(Sequence.prompt_score_rows), every row from the first position to score to the end of its chunk
-(trailing rows: the attention kernel places a sequence's queries at its last positions); the
-first len(score) of them score, and the last is also the sampled row when the chunk ends the
-known tokens. Otherwise only the sampled row, if any. The runner (model_runner.prepare) and the
-engine (split) read the same layout, computed before the scheduler's update moves the counters.
+Which rows a step keeps for a sequence that scores prompt tokens (Sequence.prompt_score_rows):
+every row from the first position to score to the end of its chunk (engine/step_rows.py); the
+first len(score) of them score, the last is also the sampled row when the chunk ends the prompt.
 Such a sequence takes no prefix-cache hit (scheduler): a cached block's rows were never computed.
 """
 from __future__ import annotations
@@ -15,28 +12,6 @@ from __future__ import annotations
 import torch
 
 PROMPT_CHUNK_ROWS = 256  # rows log-softmaxed at once: bounds the temporaries for long prompts
-
-
-def row_layout(seq, n: int) -> tuple[range, bool, int]:
-    """(positions whose rows score a prompt token, is the last row sampled, rows kept in all)."""
-    end = seq.num_computed_tokens + n
-    sampled = end == seq.num_tokens
-    score = seq.prompt_score_rows(n)
-    return score, sampled, (end - score.start) if score else int(sampled)
-
-
-def split(scheduled, logits: torch.Tensor) -> tuple[list, list]:
-    """logits [kept rows, V] (model_runner.execute) -> per scheduled entry: (its prompt-scoring
-    rows [k, V] or None) and (its sampled row [V] or None)."""
-    scores, samples, at = [], [], 0
-    for seq, n in scheduled:
-        score, sampled, kept = row_layout(seq, n)
-        scores.append(logits[at:at + len(score)] if score else None)
-        samples.append(logits[at + kept - 1] if sampled else None)
-        at += kept
-    if at != logits.shape[0]:
-        raise RuntimeError(f"the step returned {logits.shape[0]} logit rows for {at} kept ones")
-    return scores, samples
 
 
 def score(seq, n: int, rows: torch.Tensor, top: int) -> list[dict[int, float]]:

@@ -186,6 +186,14 @@ class Sampler:
         return tok
 
     def _sample_row(self, logits: torch.Tensor, row: SampleRow) -> int:
+        token, probs = self.distribution(logits, row)
+        return token if probs is None else sample_inverse_cdf(probs, self.uniform(row))
+
+    def distribution(self, logits: torch.Tensor, row: SampleRow
+                     ) -> tuple[int | None, torch.Tensor | None]:
+        """The row's processed distribution (logits modified in place): (its argmax, None) when
+        greedy, else (None, unnormalized probabilities). Raises _NonFinite when it is not finite
+        (engine/speculative.py verifies drafts with it)."""
         p = row.params
         apply_min_tokens(logits, row)
         apply_repetition_penalty(logits, row.prompt_token_ids + row.output_token_ids,
@@ -197,7 +205,7 @@ class Sampler:
             tok = int(logits.argmax())
             if not -float("inf") < float(logits[tok]) < float("inf"):
                 raise _NonFinite()
-            return tok
+            return tok, None
         logits = logits / p.temperature
         logits = apply_top_k(logits, p.top_k)
         logits = apply_top_p(logits, p.top_p)
@@ -206,9 +214,9 @@ class Sampler:
         total = float(probs.sum())  # one pass: nan or inf anywhere makes the sum non-finite
         if not 0.0 < total < float("inf"):
             raise _NonFinite()
-        return sample_inverse_cdf(probs, self._uniform(row))
+        return None, probs
 
-    def _uniform(self, row: SampleRow) -> float:
+    def uniform(self, row: SampleRow) -> float:
         """The row's one uniform for this step: keyed by (seed, index, step) when seeded."""
         if row.seed is not None:
             return counter_uniform(row.seed, row.index, len(row.output_token_ids))

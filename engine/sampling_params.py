@@ -70,6 +70,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # engine/structured_params.py
     # {token id: added to its logit}, after the penalties and before temperature (OpenAI's)
     logit_bias: dict[int, float] | None = None
+    # speculative (n-gram) decoding for this request: None as the engine is configured, False
+    # never, True even on an engine without a speculative config (engine/speculative.py)
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -94,6 +97,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool or None, got {self.speculative!r}")
 
     def _normalize(self) -> None:
         if self.top_k == 0:

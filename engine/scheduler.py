@@ -49,6 +49,7 @@ class SampledToken:
     logprob: Any = None  # carried for the engine's outputs; the scheduler does not read it
     fork_of: Sequence | None = None
     finish_reason: str | None = None  # set by update(): "stop" (eos, stop token id) or "length"
+    computed: bool = False  # an accepted draft token: its K/V were written this step
 
 
 class Scheduler:
@@ -104,7 +105,7 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.block_copies = self.bm.take_pending_copies()
-        out.sampling = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        out.sampling = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n >= seq.num_tokens]
         return out
 
     # -- after the step --------------------------------------------------------------------
@@ -112,8 +113,9 @@ class Scheduler:
         """The step ran `out` and sampled `sampled` (out.sampling plus any forked children, in
         order): advance computed tokens, join the children, append the tokens, finish what stops.
         Returns the entries applied (a sequence finished in the meantime, by abort, is skipped)."""
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+        for seq, n in out.scheduled:  # a draft's tokens count once accepted (s.computed)
+            seq.num_computed_tokens += min(n, seq.num_tokens - seq.num_computed_tokens)
+            seq.draft = []
         for s in sampled:  # every child joins before any parent can finish (and free its blocks)
             if s.fork_of is not None:
                 self._join_fork(s.fork_of, s.seq)
@@ -122,6 +124,8 @@ class Scheduler:
             if s.seq.is_finished:
                 continue
             s.seq.append_token(s.token)
+            if s.computed:
+                s.seq.num_computed_tokens += 1
             s.finish_reason = self.check_stop(s.seq, s.token)
             if s.finish_reason is not None:
                 self.finish(s.seq, s.finish_reason)
@@ -153,7 +157,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._num_new(seq, budget)
+            if seq.draft and not self.bm.allocate_slots(seq, num_new):
+                seq.draft = []  # no room for the draft: decode as usual rather than preempt
+                num_new = self._num_new(seq, budget)
             while not self.bm.allocate_slots(seq, num_new):
                 victim = self.running[-1]  # lowest priority, latest arrival
                 self._preempt(victim, out)
@@ -164,6 +171,15 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    @staticmethod
+    def _num_new(seq: Sequence, budget: int) -> int:
+        """The tokens seq computes this step: what it has not computed, then its draft (cut to
+        what the budget leaves)."""
+        known = seq.num_tokens - seq.num_computed_tokens
+        num_new = min(known + len(seq.draft), budget)
+        del seq.draft[max(0, num_new - known):]
+        return num_new
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit in queue order (passing over sequences whose grammar is still compiling); stop at
@@ -238,6 +254,7 @@ class Scheduler:
         """Preemption by recompute: free the blocks, requeue; the prefix cache may bring them back."""
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.draft = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)

@@ -49,6 +49,8 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         # prompt_logprobs: positions 0..prompt_scored-1 have scored the token after them
         self.prompt_scored = 0
+        # speculative tokens this step verifies (engine/speculative.py); [] after every step
+        self.draft: list[int] = []
         self.first_token_time: float | None = None
         self.num_preemptions = 0
 
@@ -87,6 +89,13 @@ class Sequence:
             return range(0)
         lo = max(self.num_computed_tokens, self.prompt_scored)
         return range(lo, max(lo, min(self.num_computed_tokens + n, self.num_prompt_tokens - 1)))
+
+    def step_token_ids(self, n: int) -> list[int]:
+        """The n input tokens of this step's chunk: known tokens from num_computed_tokens on,
+        then the draft's."""
+        start = self.num_computed_tokens
+        known = self.token_ids[start:start + n]
+        return known + self.draft[:n - len(known)] if len(known) < n else known
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

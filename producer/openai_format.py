@@ -29,7 +29,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "p
           "frequency_penalty", "logit_bias", "stream", "stream_options",
           # vLLM-style extensions (the engine supports them; OpenAI clients send them via extra_body)
           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-          "priority",
+          "priority", "speculative",
           # structured output: OpenAI's response_format, vLLM's structured_outputs (extra_body)
           "response_format", "structured_outputs"}
 ONLY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",

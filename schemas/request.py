@@ -38,7 +38,7 @@ CALLER_PRIORITY_CEILING = -1
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-    "logprobs", "prompt_logprobs", "logit_bias",
+    "logprobs", "prompt_logprobs", "logit_bias", "speculative",
 )
 
 
@@ -98,6 +98,8 @@ class JobRequest(BaseModel):
     logit_bias: Optional[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
         default=None, max_length=1024)
     structured_outputs: Optional[StructuredOutputs] = None  # schemas/structured.py
+    # speculative (n-gram) decoding: null as the worker is configured, false off, true on
+    speculative: Optional[bool] = None
 
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     # who the job is for (schemas/tenants.py): fair share, quotas, usage and isolation key on it

@@ -12,7 +12,8 @@ from genpool.engine.model_runner import ModelRunner
 
 def _seq(tokens, computed, table):
     return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, num_tokens=len(tokens), block_table=table,
-                           prompt_score_rows=lambda n: range(0))
+                           prompt_score_rows=lambda n: range(0),
+                           step_token_ids=lambda n: tokens[computed:computed + n])
 
 
 def test_last_layer_runs_only_the_sampled_rows(tiny_llama_path):

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not cpu_decode_layers.available(), reason="no C 
 
 def _seq(tokens, computed, table):
     return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, num_tokens=len(tokens), block_table=table,
-                           prompt_score_rows=lambda n: range(0))
+                           prompt_score_rows=lambda n: range(0),
+                           step_token_ids=lambda n: tokens[computed:computed + n])
 
 
 def _runner(path, blocks=32):
