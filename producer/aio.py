@@ -21,6 +21,7 @@ from genpool.schemas.workers import WorkerInfo
 from . import openai_tools
 from .client import CANCEL, CANCEL_FLAG, PIPELINE_CHUNK, SUBMIT, SUBMIT_JOB, SUBMIT_UNDO, added, lane_refused
 from .errors import JobFailed
+from .fair_submit import queue_enqueue, submit_keys
 from .liveness import live_workers_async, serving
 from .protocol import (
     CONTROL_MAXLEN,
@@ -225,8 +226,7 @@ class AsyncClient:
             (entry,) = await _retrying(lambda: self._enqueue_cluster([req], keys))
         else:
             entry = await _retrying(lambda: SUBMIT.acall(
-                self.redis, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
-                submit_args(req, self.job_ttl_s)))
+                self.redis, submit_keys(keys, req), submit_args(req, self.job_ttl_s)))
         return AsyncJob(self, req.id, duplicate=entry is None, model=req.model, tools=tools)
 
     async def submit_many(self, requests: list[dict]) -> list[AsyncJob]:
@@ -247,8 +247,7 @@ class AsyncClient:
 
     async def _submit_chunk(self, chunk: list, keys: Keys) -> list:
         return await apipelined(self.redis, chunk, lambda pipe, req: SUBMIT.queue(
-            pipe, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
-            submit_args(req, self.job_ttl_s)), [SUBMIT], raise_errors=True)
+            pipe, submit_keys(keys, req), submit_args(req, self.job_ttl_s)), [SUBMIT], raise_errors=True)
 
     async def _enqueue_cluster(self, chunk: list, keys: Keys) -> list:
         """The sync Client's _enqueue_cluster: three one-slot steps, pipelined."""
@@ -259,7 +258,7 @@ class AsyncClient:
         fresh = [req for req, ok in zip(chunk, claimed) if ok]
         pipe = self.redis.pipeline(transaction=False)
         for req in fresh:
-            pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
+            queue_enqueue(pipe, keys, req)  # an XADD (a tenant's: on its sub-stream)
         replies = await pipe.execute(raise_on_error=False) if fresh else []
         entries, refused = added(fresh, replies)
         pipe = self.redis.pipeline(transaction=False)

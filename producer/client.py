@@ -31,6 +31,7 @@ from genpool.schemas.workers import WorkerInfo
 
 from . import openai_tools
 from .errors import JobFailed
+from .fair_submit import queue_enqueue, submit_keys
 from .liveness import live_workers, serving
 from .protocol import (
     CONTROL_MAXLEN,
@@ -261,8 +262,7 @@ class Client:
             (entry,) = _retrying(lambda: self._enqueue_cluster([req]))
         else:
             entry = _retrying(lambda: SUBMIT(
-                self.redis, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
-                submit_args(req, self.job_ttl_s)))
+                self.redis, submit_keys(keys, req), submit_args(req, self.job_ttl_s)))
         return Job(self, req.id, duplicate=entry is None, model=req.model, tools=tools)
 
     def submit_many(self, requests: list[dict]) -> list[Job]:
@@ -294,8 +294,7 @@ class Client:
         # before a connection loss reports those as duplicates, and runs each job once).
         keys = self.keys
         return pipelined(self.redis, chunk, lambda pipe, req: SUBMIT.queue(
-            pipe, [keys.job(req.id), keys.submit_stream(req.id, req.lane)],
-            submit_args(req, self.job_ttl_s)), [SUBMIT], raise_errors=True)
+            pipe, submit_keys(keys, req), submit_args(req, self.job_ttl_s)), [SUBMIT], raise_errors=True)
 
     def _enqueue_cluster(self, chunk: list) -> list:
         """SUBMIT_JOB_LUA, XADD, HSETNX entry: three pipelined round trips, each command within
@@ -307,7 +306,7 @@ class Client:
         fresh = [req for req, ok in zip(chunk, claimed) if ok]
         pipe = self.redis.pipeline(transaction=False)
         for req in fresh:
-            pipe.xadd(keys.submit_stream(req.id, req.lane), {"job": req.to_wire()})
+            queue_enqueue(pipe, keys, req)  # an XADD (a tenant's: on its sub-stream)
         entries, refused = added(fresh, pipe.execute(raise_on_error=False) if fresh else [])
         pipe = self.redis.pipeline(transaction=False)
         for job_id, entry in entries.items():

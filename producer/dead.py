@@ -11,6 +11,7 @@ from genpool.schemas.scripting import Script
 from genpool.schemas.scripts import RETRY_RESET_LUA
 
 from .client import SUBMIT, _retrying
+from .fair_submit import submit_keys
 from .protocol import submit_args
 
 RETRY_RESET = Script(RETRY_RESET_LUA)
@@ -96,8 +97,7 @@ def _submit(c, req: JobRequest):
     if c.cluster:
         return c._enqueue_cluster([req])[0]
     k = c.keys
-    return SUBMIT(c.redis, [k.job(req.id), k.submit_stream(req.id, req.lane)],
-                  submit_args(req, c.job_ttl_s))
+    return SUBMIT(c.redis, submit_keys(k, req), submit_args(req, c.job_ttl_s))
 
 
 def purge_dead(c, ids: Optional[list[str]]) -> int:

@@ -64,7 +64,14 @@ class KeyStore:
         return bool(pipe.execute()[0])
 
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:
-        self.r.set(self.t.limits(tenant), limits.model_dump_json(), ex=API_KEY_TTL_S)
+        pipe = self.r.pipeline(transaction=True)  # both in {<prefix>}
+        pipe.set(self.t.limits(tenant), limits.model_dump_json(), ex=API_KEY_TTL_S)
+        if limits.weight == 1:
+            pipe.hdel(self.t.weights, tenant)
+        else:
+            pipe.hset(self.t.weights, tenant, limits.weight)
+            pipe.expire(self.t.weights, API_KEY_TTL_S)
+        pipe.execute()
 
     def limits(self, tenant: str) -> TenantLimits:
         raw = self.r.get(self.t.limits(tenant))

@@ -57,7 +57,10 @@ def _structured(so: Any, response_format: Any, json_schema: Any) -> Any:
 
 
 def submit_args(req: JobRequest, ttl_s: int = JOB_TTL_S) -> list:
-    return [req.to_wire(), req.lane, f"{time.time():.6f}", ttl_s, req.tenant]
+    """SUBMIT_LUA's arguments (its keys: producer/fair_submit.py submit_keys)."""
+    from .fair_submit import fair_args
+
+    return [req.to_wire(), req.lane, f"{time.time():.6f}", ttl_s, req.tenant, *fair_args(req)]
 
 
 def cancel_args(job_id: str, ttl_s: int = JOB_TTL_S) -> list:

@@ -29,12 +29,22 @@ LANE_REFUSED = ("nothing was stored; `genpool lanes check` says what is wrong wi
 # resubmit of the id is not mistaken for a duplicate (a script's writes are never rolled back).
 # KEYS[1] job hash, KEYS[2] lane stream; ARGV: job JSON, lane, submit time, TTL seconds, and
 # optionally the job's tenant (kept in the hash for isolation checks; absent means "default").
+# ARGV[6], optional: the job's cost in estimated tokens, the entry's `cost` (fair pull reads it).
+# A tenant's job (fair pull, schemas/tenants.py) has KEYS[2] its sub-stream and KEYS[3..5] the
+# lane's fair ring, active and known sets, and ARGV[7..8] the consumer group and the fair
+# state's TTL: the group is made with the sub-stream, and the tenant joins the ring if it was
+# not backlogged.
 # Returns the stream entry id, or false when the job id already exists (it runs only once).
 SUBMIT_LUA = """
 if redis.call('HEXISTS', KEYS[1], 'state') == 1 then
   return false
 end
-local ok, entry = pcall(redis.call, 'XADD', KEYS[2], '*', 'job', ARGV[1])
+local fields = {'job', ARGV[1]}
+if ARGV[6] then fields = {'job', ARGV[1], 'cost', ARGV[6]} end
+if #KEYS > 2 then
+  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[7], '0', 'MKSTREAM')  -- BUSYGROUP: made
+end
+local ok, entry = pcall(redis.call, 'XADD', KEYS[2], '*', unpack(fields))
 if not ok then
   local why = type(entry) == 'table' and entry.err or tostring(entry)
   return redis.error_reply('ERR lane stream ' .. KEYS[2] .. ' refused the job: ' .. why ..
@@ -43,6 +53,11 @@ end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'entry', entry, 'lane', ARGV[2],
            'submitted_at', ARGV[3], 'attempts', 0)
 if ARGV[5] then redis.call('HSET', KEYS[1], 'tenant', ARGV[5]) end
+if #KEYS > 2 then
+  redis.call('SADD', KEYS[5], ARGV[5])
+  if redis.call('SADD', KEYS[4], ARGV[5]) == 1 then redis.call('RPUSH', KEYS[3], ARGV[5]) end
+  for i = 3, 5 do redis.call('EXPIRE', KEYS[i], ARGV[8]) end
+end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return entry
 """
@@ -78,7 +93,7 @@ if redis.call('HEXISTS', KEYS[1], 'entry') == 1 or
    redis.call('HGET', KEYS[1], 'submitted_at') ~= ARGV[1] then
   return 0
 end
-redis.call('HDEL', KEYS[1], 'state', 'lane', 'submitted_at', 'attempts')
+redis.call('HDEL', KEYS[1], 'state', 'lane', 'submitted_at', 'attempts', 'tenant')
 return 1
 """
 

@@ -29,3 +29,110 @@ redis.call('HSET', KEYS[1], 'window', win, 'requests', req + 1, 'tokens', tok + 
 redis.call('PEXPIRE', KEYS[1], 2 * span)
 return {'ok', req + 1, tok + cost, reset}
 """
+
+# --- used by producer/client.py and producer/aio.py on a Redis Cluster ---
+# Step 2 of a Cluster submit (schemas/scripts.py SUBMIT_JOB_LUA) for a tenant's job: what
+# SUBMIT_LUA does on one server in the sub-stream's slot (group, XADD with `cost`, join the ring).
+# KEYS[1] sub-stream, KEYS[2..4] the lane's fair ring, active and known sets; ARGV: job JSON,
+# tenant, cost, group, fair state TTL. Returns the entry id.
+FAIR_ENQUEUE_LUA = """
+pcall(redis.call, 'XGROUP', 'CREATE', KEYS[1], ARGV[4], '0', 'MKSTREAM')
+local entry = redis.call('XADD', KEYS[1], '*', 'job', ARGV[1], 'cost', ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[2])
+if redis.call('SADD', KEYS[3], ARGV[2]) == 1 then redis.call('RPUSH', KEYS[2], ARGV[2]) end
+for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+return entry
+"""
+
+# --- used by workers/worker.py (instead of READ_LUA: the same budgets and reply) ---
+# Read one lane shard's new entries, the high lane first (up to ARGV[3]), then normal and low
+# (sharing what is left of ARGV[4]). Within a lane whose fair ring is empty this is READ_LUA's
+# one XREADGROUP. Otherwise the lane stream itself (the default tenant) and each backlogged
+# tenant's sub-stream take turns in deficit round robin: a turn adds quantum x weight tokens of
+# credit and reads entries one by one while credit remains, each costing its `cost` field
+# (ARGV[6] when it has none), so a huge job leaves its tenant in debt for later turns. The
+# state (credits; `:cursor` and `:resume`: whose turn is under way; ':' is in no tenant name) is
+# shared by every worker: fairness is pool-wide.
+# A tenant whose sub-stream has nothing new leaves the ring (its producer's next submit brings
+# it back) and keeps no credit. Sub-stream keys are the lane's key + ':t:' + tenant: the same
+# hash tag, so one slot.
+# KEYS: high, normal, low lane streams, then per lane its ring, active set, deficit hash.
+# ARGV: group, consumer, high count, capacity, quantum, default cost, state TTL, then
+# tenant / weight pairs (absent: weight 1). Returns READ_LUA's shape: {{stream, entries}, ...}.
+FAIR_READ_LUA = """
+local group, consumer = ARGV[1], ARGV[2]
+local quantum, default_cost, ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+local weights = {}
+for i = 8, #ARGV - 1, 2 do weights[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local out = {}
+local function take(key, n)
+  if n <= 0 then return 0 end
+  local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+  if not r then return 0 end
+  table.insert(out, r[1])
+  return #r[1][2]
+end
+local function read_one(key)
+  local ok, r = pcall(redis.call, 'XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1,
+                      'STREAMS', key, '>')
+  if not ok or not r or #r[1][2] == 0 then return nil end
+  return r[1][2][1]
+end
+local function cost_of(fields)
+  if type(fields) ~= 'table' then return default_cost end
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == 'cost' then return tonumber(fields[i + 1]) or default_cost end
+  end
+  return default_cost
+end
+local function fair(main, ring, active, deficit, n)
+  if n <= 0 then return 0 end
+  local members = redis.call('LRANGE', ring, 0, -1)
+  if #members == 0 then return take(main, n) end
+  local order, streams, d, idle, got = {'default'}, {main}, {}, {}, {}
+  for _, m in ipairs(members) do
+    table.insert(order, m)
+    table.insert(streams, main .. ':t:' .. m)
+  end
+  local cur, resume = 1, redis.call('HGET', deficit, ':resume') == '1'
+  local at = redis.call('HGET', deficit, ':cursor')
+  for i, m in ipairs(order) do
+    d[i] = tonumber(redis.call('HGET', deficit, m) or '0')
+    if m == at then cur = i end
+  end
+  if order[cur] ~= at then resume = false end
+  local served, live, i, spins = 0, #order, cur, 0
+  while served < n and live > 0 and spins < 100000 do
+    spins = spins + 1
+    if not idle[i] then
+      if not resume then d[i] = d[i] + quantum * (weights[order[i]] or 1) end
+      resume = false
+      while d[i] > 0 and served < n do
+        local e = read_one(streams[i])
+        if not e then idle[i], d[i], live = true, 0, live - 1 break end
+        got[i] = got[i] or {}
+        table.insert(got[i], e)
+        d[i], served = d[i] - cost_of(e[2]), served + 1
+      end
+      if served >= n and d[i] > 0 and not idle[i] then resume = true break end
+    end
+    i = i % #order + 1
+  end
+  for j, m in ipairs(order) do
+    if got[j] then table.insert(out, {streams[j], got[j]}) end
+    if idle[j] and j > 1 then
+      redis.call('LREM', ring, 1, m)
+      redis.call('SREM', active, m)
+    end
+    if d[j] == 0 then redis.call('HDEL', deficit, m) else redis.call('HSET', deficit, m, d[j]) end
+  end
+  redis.call('HSET', deficit, ':cursor', order[i] or 'default', ':resume', resume and '1' or '0')
+  redis.call('EXPIRE', deficit, ttl)
+  return served
+end
+local free = tonumber(ARGV[4])
+free = free - fair(KEYS[1], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[3]))
+free = free - fair(KEYS[2], KEYS[7], KEYS[8], KEYS[9], free)
+fair(KEYS[3], KEYS[10], KEYS[11], KEYS[12], free)
+return out
+"""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from .keys import Keys
+from .keys import JOB_TTL_S, Keys
 
 DEFAULT_TENANT = "default"  # a job that names no tenant (and every `--api-key` key's jobs)
 TENANT_CHARS = r"[A-Za-z0-9_.\-]{1,64}"
@@ -22,6 +22,15 @@ KEY_CACHE_S = 2.0  # a gateway trusts a looked-up key this long: a revoke acts w
 RATE_WINDOW_S = 60  # requests / tokens per minute: fixed one-minute windows
 USAGE_BUCKET_S = 3600  # usage is counted in hourly buckets ...
 USAGE_TTL_S = 90 * 86400  # ... kept this long
+
+
+# Fair pull (docs/protocol.md, "Tenants"): a non-default tenant's jobs queue on a sub-stream of
+# their lane, `<lane stream>:t:<tenant>` (the lane's hash tag: one slot per shard), and workers
+# take from a lane's backlogged tenants in deficit round robin, measured in estimated tokens.
+SUB_STREAM_SEP = ":t:"
+FAIR_QUANTUM = 2048  # tokens a tenant of weight 1 may take per turn
+DEFAULT_COST = 256  # tokens charged for an entry that says nothing of its cost
+FAIR_STATE_TTL_S = JOB_TTL_S  # a lane's ring, member sets and deficits, refreshed when used
 
 
 def check_tenant(tenant: str) -> str:
@@ -65,6 +74,12 @@ class TenantKeys:
         """String: the JSON TenantLimits of `tenant` (every key of the tenant shares them)."""
         return f"{self.prefix}:tenant:{self.tag}:{check_tenant(tenant)}:limits"
 
+    @property
+    def weights(self) -> str:
+        """Hash: tenant -> its fair-pull weight, for the tenants whose weight is not 1 (workers
+        read it every upkeep: they cannot know every tenant's limits record)."""
+        return f"{self.prefix}:weights:{self.tag}"
+
     def rate(self, tenant: str) -> str:
         """Hash: `window` (epoch seconds // RATE_WINDOW_S), `requests`, `tokens` of `tenant`
         in that window (RATE_LUA resets it when a new window begins; TTL two windows)."""
@@ -75,8 +90,20 @@ class TenantKeys:
         its max_queued cap (producer/queued_cap.py prunes the ones that left the queue)."""
         return f"{self.prefix}:queued:{self.tag}:{check_tenant(tenant)}"
 
+    def fair(self, lane_stream: str) -> list[str]:
+        """The fair-pull state of one lane stream, in its slot: the ring (list of backlogged
+        tenants, in turn order), the set of them, the set of every tenant that had a
+        sub-stream here (reclaim looks at their pending entries), and the deficits (hash:
+        tenant -> tokens of credit or debt; `:cursor`, `:resume`: whose turn is under way)."""
+        return [f"{lane_stream}:fair:{what}" for what in ("ring", "active", "known", "deficit")]
+
     def usage(self, hour: int) -> str:
         """Hash of one USAGE_BUCKET_S bucket (hour = epoch seconds // USAGE_BUCKET_S):
         `<tenant>:prompt|completion|jobs` -> count. One key per hour, not per tenant, so
         `genpool usage` reads an hour in one HGETALL."""
         return f"{self.prefix}:usage:{self.tag}:{hour}"
+
+
+def sub_stream(lane_stream: str, tenant: str) -> str:
+    """Where a job of `tenant` (not the default one) queues on `lane_stream`."""
+    return f"{lane_stream}{SUB_STREAM_SEP}{check_tenant(tenant)}"

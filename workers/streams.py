@@ -3,6 +3,7 @@ telling a refused write from a lost connection."""
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import redis
 
@@ -97,18 +98,23 @@ def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:
     return out
 
 
-def reclaim(r: redis.Redis, keys: Keys, worker: str, min_idle_ms: int, limit: int) -> list[Entry]:
+def reclaim(r: redis.Redis, keys: Keys, worker: str, min_idle_ms: int, limit: int,
+            sub_streams: Sequence[str] = ()) -> list[Entry]:
     """Up to `limit` entries idle longer than `min_idle_ms` (their worker is presumed dead),
     oldest first, with each entry's delivery count (the claim's included). One pipelined
     `XPENDING ... IDLE` finds them, wherever they sit in a long pending list (usually none: one
     round trip in all); `XCLAIM` with the same idle bound takes them, so of two workers that
-    found the same entry only one gets it."""
-    streams = keys.all_jobs()
+    found the same entry only one gets it. `sub_streams`: the tenants' (workers/fair.py)."""
+    streams = [*keys.all_jobs(), *sub_streams]
     probe = r.pipeline(transaction=False)
     for stream in streams:
         probe.xpending_range(stream, keys.group, "-", "+", limit, idle=min_idle_ms)
     claimed: list[Entry] = []
-    for stream, idle in zip(streams, probe.execute()):
+    for stream, idle in zip(streams, probe.execute(raise_on_error=False)):
+        if isinstance(idle, Exception):
+            if stream in sub_streams:  # a sub-stream deleted (or its group) holds nothing
+                continue
+            raise idle
         claimed += _claim(r, keys, stream, worker, min_idle_ms, idle[:limit - len(claimed)])
     return claimed
 
@@ -127,11 +133,17 @@ def _claim(r: redis.Redis, keys: Keys, stream: str, worker: str, min_idle_ms: in
     return got
 
 
-def own_pending(r: redis.Redis, keys: Keys, worker: str, limit: int) -> list[Entry]:
+def own_pending(r: redis.Redis, keys: Keys, worker: str, limit: int,
+                sub_streams: Sequence[str] = ()) -> list[Entry]:
     """Entries a previous run under this same worker name left unacknowledged."""
     out: list[Entry] = []
-    for stream in keys.all_jobs():
-        pend = r.xpending_range(stream, keys.group, "-", "+", limit, consumername=worker)
+    for stream in [*keys.all_jobs(), *sub_streams]:
+        try:
+            pend = r.xpending_range(stream, keys.group, "-", "+", limit, consumername=worker)
+        except redis.ResponseError:
+            if stream in sub_streams:  # NOGROUP: a deleted sub-stream holds nothing
+                continue
+            raise
         out += _claim(r, keys, stream, worker, 0, pend)
     return out
 

@@ -21,11 +21,11 @@ import redis
 
 from genpool.engine.protocol import Engine
 from genpool.schemas import LANES, Keys
-from genpool.schemas.scripting import Script, pipelined
-from genpool.schemas.scripts import READ_LUA
+from genpool.schemas.scripting import pipelined
 from genpool.schemas.workers import WorkerInfo
 from genpool.workers.admission import Admitter
 from genpool.workers.admit import Admission
+from genpool.workers.fair import FAIR_READ, FairPull
 from genpool.workers.heartbeat import Heartbeat
 from genpool.workers.job import DONE, Entry, Outcome
 from genpool.workers.jobs import JobTable
@@ -47,7 +47,6 @@ from genpool.workers.streams import (
 from genpool.workers.worker_config import WorkerConfig
 
 log = logging.getLogger("genpool.worker")
-READ = Script(READ_LUA)
 
 
 class Worker:
@@ -76,6 +75,7 @@ class Worker:
         self.jobs = JobTable(engine, self.outbox, self.keeper, r, keys, self.name,
                              self.observers, self.counts)
         self.router = Router(self, engine, r, cfg, self.keeper)  # prefix-aware routing
+        self.fair = FairPull(self.name)  # tenants' sub-streams, weights (workers/fair.py)
         self.recovery = Recovery(r, self.publisher, self.outbox, self.jobs, self.counts,
                                  self._stop_event, self._refresh_lanes, self._give_up,
                                  lambda: self.stopping)
@@ -121,7 +121,9 @@ class Worker:
     def start(self) -> None:
         self._refresh_lanes()
         self.control.start_at_tail(self.r)
-        self.admission.admit(own_pending(self.r, self.keys, self.name, self.max_seqs))
+        self.fair.refresh(self.r, self.keys)
+        self.admission.admit(own_pending(self.r, self.keys, self.name, self.max_seqs,
+                                         self.fair.sub_streams))
         self.heartbeat.beat(self.status())
         self.started = True
         self.observers.emit("worker_started", self)
@@ -164,7 +166,9 @@ class Worker:
         if free <= 0:
             return
         self.publisher.wait()  # acks in flight must land first, or we would reclaim our own
-        claimed = reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free)
+        self.fair.refresh(self.r, self.keys)
+        claimed = reclaim(self.r, self.keys, self.name, self.cfg.claim_idle_ms, free,
+                          self.fair.sub_streams)
         self.reclaim_owed = len(claimed) >= free  # the slots ran out first: more may wait
         self.admission.admit(claimed)
 
@@ -201,14 +205,14 @@ class Worker:
 
     def _control_and_lanes(self, high: int, free: int) -> tuple:
         """The control read, the router's look at our PEL (entries peers handed us) and
-        READ_LUA once per lane shard, in one pipeline round trip (one per node in a cluster)."""
+        FAIR_READ_LUA (READ_LUA with tenants' fair turns: workers/fair.py) once per lane
+        shard, in one pipeline round trip (one per node in a cluster)."""
         inbox = self.router.inbox_reads()
         reads = [self.control.queue_read, *inbox]
         for shard, h, f in lane_budgets(self.keys.lane_shards, high, free, self.steps):
-            lanes = self.keys.shard_lanes(shard)
-            reads.append(lambda pipe, lanes=lanes, h=h, f=f: READ.queue(
-                pipe, lanes, [self.keys.group, self.name, h, f]))
-        control, *rest = pipelined(self.r, reads, lambda pipe, q: q(pipe), [READ],
+            reads.append(lambda pipe, shard=shard, h=h, f=f: self.fair.queue_read(
+                pipe, self.keys, shard, h, f))
+        control, *rest = pipelined(self.r, reads, lambda pipe, q: q(pipe), [FAIR_READ],
                                    raise_errors=True)
         if inbox:
             self.router.inbox(rest[:len(inbox)])
@@ -218,11 +222,20 @@ class Worker:
         # One BLOCK call over one shard's lanes (one hash slot, so a cluster allows it), a
         # different shard each time; COUNT applies per stream, so split the room three ways.
         shards = self.keys.lane_shards
-        lanes = self.keys.shard_lanes(self.idle_reads % shards)
+        shard = self.idle_reads % shards
+        lanes = self.keys.shard_lanes(shard)
         self.idle_reads += 1
+        # tenants' sub-streams wake no blocked read: look at the shard's fair turns first
+        entries = entries_from(pipelined(self.r, [shard], lambda pipe, k: self.fair.queue_read(
+            pipe, self.keys, k, free, free), [FAIR_READ], raise_errors=True)[0], self.keys)
+        if entries:
+            for e in entries:
+                self.router.note(e)
+            return entries
         # with routing on, a peer may hand this idle worker a job (an XCLAIM, which wakes no
         # blocked read): wait at most 50 ms between looks at our own pending entries
         block = min(self.cfg.idle_block_ms, 50) if self.router.enabled else self.cfg.idle_block_ms
+        block = self.fair.idle_block_ms(block)  # while tenants exist, look again soon
         reply = self.r.xreadgroup(self.keys.group, self.name, {k: ">" for k in lanes},
                                   count=max(1, free // len(LANES)), block=max(10, block // shards))
         entries = entries_from(reply, self.keys)  # poll() orders by lane

@@ -12,14 +12,18 @@ from genpool.producer import Client
 from genpool.producer.aio import AsyncClient
 from genpool.schemas import parse_request
 from genpool.schemas.request import JobRequest
-from genpool.schemas.tenants import DEFAULT_TENANT
+from genpool.schemas.tenants import DEFAULT_TENANT, TenantKeys, sub_stream
 from tests.pool_helpers import drop_prefix, new_prefix
 
 
 def lane_jobs(c: Client) -> list[dict]:
+    """Every queued job: on the lane streams, and (a tenant's) on the lanes' sub-streams."""
     out = []
-    for key in c.lane_keys().all_jobs():
-        out += [json.loads(f["job"]) for _, f in c.redis.xrange(key)]
+    t = TenantKeys(c.keys)
+    for lane in c.lane_keys().all_jobs():
+        subs = [sub_stream(lane, m) for m in c.redis.smembers(t.fair(lane)[2])]
+        for key in [lane, *subs]:
+            out += [json.loads(f["job"]) for _, f in c.redis.xrange(key)]
     return out
 
 

@@ -1,0 +1,151 @@
+"""Issue 31, fair pull: the deficit-round-robin read (FAIR_READ_LUA) against a real Redis,
+deterministically (no worker: the tests read as one, step by step), then a small flood through
+in-process workers on the fake engine.
+
+Costs: a job's estimate is ceil(prompt chars / 4) + max_tokens x n (producer/quotas.py), so a
+1-character prompt with max_tokens 99 costs 100 tokens."""
+from __future__ import annotations
+
+import pytest
+
+from genpool.producer import Client
+from genpool.producer.keys_store import KeyStore
+from genpool.producer.quotas import estimate_tokens
+from genpool.schemas import parse_request
+from genpool.schemas.scripting import pipelined
+from genpool.schemas.tenant_records import TenantLimits
+from genpool.schemas.tenants import DEFAULT_TENANT, FAIR_QUANTUM, TenantKeys
+from genpool.workers.fair import FAIR_READ, FairPull
+from genpool.workers.streams import ensure_groups, entries_from
+from tests.pool_helpers import drop_prefix, new_prefix
+
+COST = 100
+
+
+@pytest.fixture()
+def pool(redis_url):
+    prefix = new_prefix("fair")
+    c = Client(redis_url, prefix)
+    ensure_groups(c.redis, c.keys)
+    try:
+        yield c
+    finally:
+        c.close()
+        drop_prefix(redis_url, prefix)
+
+
+def submit(c: Client, tenant: str, n: int, cost: int = COST, priority: int = 0) -> None:
+    c.submit_many([{"prompt": "p", "max_tokens": cost - 1, "tenant": tenant,
+                    "priority": priority} for _ in range(n)])
+
+
+def read(c: Client, fair: FairPull, capacity: int) -> list[tuple[str, int, str]]:
+    """One worker read of `capacity` entries: (tenant, cost, lane) of each, in reply order."""
+    reply = pipelined(c.redis, [0], lambda pipe, shard: fair.queue_read(
+        pipe, c.keys, shard, capacity, capacity), [FAIR_READ], raise_errors=True)[0]
+    out = []
+    for e in entries_from(reply, c.keys):
+        req = parse_request(e.fields["job"])
+        out.append((req.tenant, estimate_tokens(req), e.lane))
+    return out
+
+
+def serve(c: Client, fair: FairPull, total: int, step: int = 8) -> list[tuple[str, int, str]]:
+    got: list = []
+    while len(got) < total:
+        batch = read(c, fair, min(step, total - len(got)))
+        if not batch:
+            break
+        got += batch
+    return got
+
+
+def tokens(got) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for tenant, cost, _ in got:
+        out[tenant] = out.get(tenant, 0) + cost
+    return out
+
+
+def jain(shares: list[float]) -> float:
+    return sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))
+
+
+def test_equal_weights_share_tokens_equally(pool):
+    submit(pool, "a", 120)
+    submit(pool, "b", 120)
+    got = serve(pool, FairPull("w1"), 160)
+    t = tokens(got)
+    assert abs(t["a"] - t["b"]) <= FAIR_QUANTUM + COST, t
+    assert jain([t["a"], t["b"]]) >= 0.99
+    assert {tenant for tenant, _, _ in got[:60]} == {"a", "b"}  # turns alternate early on
+
+
+def test_weights_two_to_one(pool):
+    KeyStore(pool.redis, pool.keys).set_limits("a", TenantLimits(weight=2))
+    fair = FairPull("w1")
+    fair.refresh(pool.redis, pool.keys)
+    assert fair.weights == {"a": 2}
+    submit(pool, "a", 200)
+    submit(pool, "b", 200)
+    t = tokens(serve(pool, fair, 240))
+    assert abs(t["a"] - 2 * t["b"]) <= 2 * (FAIR_QUANTUM + COST), t
+    assert jain([t["a"] / 2, t["b"]]) >= 0.95
+
+
+def test_the_default_tenant_takes_turns_too(pool):
+    submit(pool, DEFAULT_TENANT, 80)
+    submit(pool, "a", 80)
+    t = tokens(serve(pool, FairPull("w1"), 100))
+    assert abs(t["a"] - t[DEFAULT_TENANT]) <= FAIR_QUANTUM + COST, t
+
+
+def test_a_tenant_arriving_gets_its_turn_soon_and_one_leaving_leaves_the_ring(pool):
+    fair = FairPull("w1")
+    submit(pool, "a", 150)
+    first = serve(pool, fair, 30)
+    assert {tenant for tenant, _, _ in first} == {"a"}  # alone: all of it
+    submit(pool, "b", 10)
+    nxt = serve(pool, fair, 60)
+    per_turn = FAIR_QUANTUM // COST + 1
+    assert "b" in [tenant for tenant, _, _ in nxt[:per_turn + 1]], nxt  # within one turn of a
+    assert sum(tenant == "b" for tenant, _, _ in nxt) == 10  # all of b's, interleaved
+    t = TenantKeys(pool.keys)
+    lane = pool.keys.jobs("normal")
+    assert pool.redis.lrange(t.fair(lane)[0], 0, -1) == ["a"]  # b drained: it left the ring
+    rest = serve(pool, fair, 200)
+    assert {tenant for tenant, _, _ in rest} == {"a"} and len(first + nxt + rest) == 160
+
+
+def test_one_tenants_huge_prompt_puts_it_in_debt_not_ahead(pool):
+    """h's 40,000-token job is served in h's turn, then h waits while s gets the tokens back."""
+    submit(pool, "h", 1, cost=40_000)
+    submit(pool, "h", 100)
+    submit(pool, "s", 600)
+    got = serve(pool, FairPull("w1"), 500)
+    t = tokens(got)
+    assert abs(t["h"] - t["s"]) <= FAIR_QUANTUM + 40_000, t
+    big = next(i for i, (tenant, cost, _) in enumerate(got) if cost == 40_000)
+    after = got[big + 1:]
+    s_before_h = next(i for i, (tenant, _, _) in enumerate(after) if tenant == "h")
+    assert s_before_h * COST >= 40_000 - 2 * FAIR_QUANTUM  # s got about h's debt first
+
+
+def test_priorities_keep_their_meaning_across_tenants(pool):
+    submit(pool, "a", 40)
+    submit(pool, "b", 3, priority=-1)  # interactive
+    first = read(pool, FairPull("w1"), 8)
+    assert [lane for _, _, lane in first[:3]] == ["high"] * 3
+    assert [tenant for tenant, _, _ in first[:3]] == ["b"] * 3
+
+
+def test_workers_share_one_fair_order(pool):
+    """Two workers reading in turn see one round robin, not one each."""
+    submit(pool, "a", 100)
+    submit(pool, "b", 100)
+    w1, w2 = FairPull("w1"), FairPull("w2")
+    got = []
+    for i in range(20):
+        got += read(pool, w1 if i % 2 else w2, 6)
+    t = tokens(got)
+    assert abs(t["a"] - t["b"]) <= FAIR_QUANTUM + COST, t
