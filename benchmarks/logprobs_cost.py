@@ -7,7 +7,9 @@ modes must produce the same token ids (logprobs are read off the raw distributio
 nothing). `lp5_copy` is lp5 with the sampler as it was before this benchmark (the asking rows'
 logits copied with index_select before the log-softmax). Also the sampler alone: one call on
 [rows, 49152] greedy logits per mode. Wall time and this process's CPU time (all threads) are
-both recorded: on a shared machine the CPU time is the steadier of the two. This is the engine's share; a worker also decodes each top id for `token_texts` and writes the
+both recorded, and the share of each run's wall time spent inside Sampler._logprobs (the only
+code that runs for logprobs alone): on a shared machine the share is the steadiest of the three,
+since other processes slow both of its parts at once. This is the engine's share; a worker also decodes each top id for `token_texts` and writes the
 maps into the event stream (not measured here).
 
   python benchmarks/logprobs_cost.py --repeats 2 --json out.json
@@ -30,6 +32,32 @@ import torch  # noqa: E402
 from benchmarks.workload import build_workload  # noqa: E402
 
 MODES = {"none": None, "lp5": 5, "lp5_copy": 5}
+
+
+class Timed:
+    """Seconds spent inside Sampler._logprobs while active: its share of the same run's time is
+    steadier on a shared machine than two runs' ratio (the load falls on both parts alike)."""
+
+    def __init__(self):
+        self.s = 0.0
+
+    @contextmanager
+    def active(self):
+        from genpool.engine.sampler import Sampler
+
+        inner = Sampler._logprobs
+
+        def timed(logits, rows, tokens):
+            t0 = time.perf_counter()
+            try:
+                return inner(logits, rows, tokens)
+            finally:
+                self.s += time.perf_counter() - t0
+        Sampler._logprobs = staticmethod(timed)
+        try:
+            yield
+        finally:
+            Sampler._logprobs = staticmethod(inner)
 
 
 @contextmanager
@@ -96,21 +124,30 @@ def main() -> None:
     from genpool.engine import LLM
 
     res: dict = {"load_avg_start": os.getloadavg(), "tok_s": {m: [] for m in MODES},
-                 "cpu_s": {m: [] for m in MODES}, "sampler_ms": {m: [] for m in MODES}}
-    llm = LLM(args.model, dtype="float32", max_num_seqs=64, max_num_batched_tokens=1024)
+                 "cpu_s": {m: [] for m in MODES}, "sampler_ms": {m: [] for m in MODES},
+                 "share": {m: [] for m in MODES}}
+    # no prefix caching: every run prefills the whole mix (with it, runs after the first
+    # found their prompts cached and were mostly decode)
+    llm = LLM(args.model, dtype="float32", max_num_seqs=64, max_num_batched_tokens=1024,
+              enable_prefix_caching=False)
     reqs = build_workload(llm.get_tokenizer(), num_requests=args.num_requests)
     engine_run(llm, reqs[:2], None, 8)  # warm-up
     ids: dict = {}
     order = list(MODES)
     for rep in range(args.repeats):
         for mode in (order if rep % 2 == 0 else order[::-1]):
+            timer = Timed()
             with copying_logprobs() if mode == "lp5_copy" else nullcontext():
                 res["sampler_ms"][mode].append(sampler_alone(args.rows, 10, MODES[mode]) * 1e3)
-                dt, cpu, toks, ids[mode] = engine_run(llm, reqs, MODES[mode], args.max_tokens)
+                with timer.active():
+                    dt, cpu, toks, ids[mode] = engine_run(llm, reqs, MODES[mode],
+                                                          args.max_tokens)
             res["tok_s"][mode].append(toks / dt)
             res["cpu_s"][mode].append(cpu)
-            print(f"{mode}: {toks} tokens in {dt:.1f} s = {toks / dt:.1f} tok/s, CPU {cpu:.1f} s;"
-                  f" sampler {res['sampler_ms'][mode][-1]:.2f} ms/call ({args.rows} rows); load "
+            res["share"][mode].append(timer.s / dt)
+            print(f"{mode}: {toks} tokens in {dt:.1f} s = {toks / dt:.1f} tok/s, CPU {cpu:.1f} s,"
+                  f" {timer.s / dt:.1%} of it in _logprobs; sampler "
+                  f"{res['sampler_ms'][mode][-1]:.2f} ms/call ({args.rows} rows); load "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
     res["same_tokens"] = ids["none"] == ids["lp5"] == ids["lp5_copy"]
     res["tokens"] = sum(map(len, ids["none"]))
@@ -120,7 +157,8 @@ def main() -> None:
         res[f"{m}_cost_cpu_median"] = (statistics.median(res["cpu_s"][m])
                                        / statistics.median(res["cpu_s"]["none"]) - 1)
         print(f"{m} cost against none: wall {res[f'{m}_cost_wall_median']:+.1%}, CPU "
-              f"{res[f'{m}_cost_cpu_median']:+.1%} (medians)")
+              f"{res[f'{m}_cost_cpu_median']:+.1%} (medians); in _logprobs "
+              f"{statistics.median(res['share'][m]):.1%} of its runs' time (median)")
     res["load_avg_end"] = os.getloadavg()
     print(f"same tokens in every mode: {res['same_tokens']}; load {res['load_avg_end']}")
     if args.json:
