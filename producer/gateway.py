@@ -23,6 +23,7 @@ from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.connection import connect_async, lane_depths, queue_lane_depths, redact_text
 from genpool.schemas.keys import check_memory_policy
 from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
+from genpool.schemas.tenants import known_sub_streams, queue_known
 
 from . import openai_logprobs
 from .aio import AsyncClient, AsyncJob
@@ -145,8 +146,12 @@ class Gateway:
         """Entries no worker has picked up yet, over all lanes (pending ones are being served)."""
         keys = await self.client.lane_keys()
         pipe = self.client.redis.pipeline(transaction=False)
-        queue_lane_depths(pipe, keys)
-        depths = lane_depths(await pipe.execute(raise_on_error=False))
+        queue_known(pipe, keys)  # tenants' sub-streams (fair pull) hold queued jobs too
+        subs = known_sub_streams(keys, await pipe.execute(raise_on_error=False))
+        pipe = self.client.redis.pipeline(transaction=False)
+        queue_lane_depths(pipe, keys, subs)
+        depths = lane_depths(await pipe.execute(raise_on_error=False),
+                             [keys.lane_of_stream(s) for s in subs])
         return sum(queued for queued, _ in depths.values())
 
     async def models(self) -> list[dict]:

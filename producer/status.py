@@ -8,6 +8,7 @@ import redis
 
 from genpool.schemas import Keys
 from genpool.schemas.connection import lane_depths, queue_lane_depths
+from genpool.schemas.tenants import known_sub_streams, queue_known
 
 from .listing import cancelled_unread
 from .liveness import read_infos
@@ -17,8 +18,11 @@ def _lane_status(r: redis.Redis, keys: Keys) -> tuple[dict, dict]:
     """({lane: queued, pending}, {lane: cancelled}): a job cancelled while queued stays in its
     lane until a worker drops it, but it will never run, so it is not counted as queued."""
     pipe = r.pipeline(transaction=False)
-    queue_lane_depths(pipe, keys)
-    depths = lane_depths(pipe.execute(raise_on_error=False))
+    queue_known(pipe, keys)  # tenants' sub-streams (fair pull) hold queued jobs too
+    subs = known_sub_streams(keys, pipe.execute(raise_on_error=False))
+    pipe = r.pipeline(transaction=False)
+    queue_lane_depths(pipe, keys, subs)
+    depths = lane_depths(pipe.execute(raise_on_error=False), [keys.lane_of_stream(s) for s in subs])
     cancelled = cancelled_unread(r, keys, [lane for lane, (q, _) in depths.items() if q])
     return ({lane: {"queued": max(0, queued - cancelled[lane]), "pending": pending}
              for lane, (queued, pending) in depths.items()}, cancelled)

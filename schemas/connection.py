@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
@@ -234,22 +234,24 @@ def backoff(first: float = 0.05, cap: float = 2.0) -> Iterator[float]:
         delay = min(cap, delay * 2)
 
 
-def queue_lane_depths(pipe, keys) -> None:
+def queue_lane_depths(pipe, keys, sub_streams: Sequence[str] = ()) -> None:
     """Queue, on a sync or asyncio pipeline, what lane_depths() reads: XLEN and the group's
-    XPENDING summary of every lane of every lane shard."""
-    for stream in keys.all_jobs():
+    XPENDING summary of every lane of every lane shard, then of each tenant's sub-stream given
+    (schemas/tenants.py known_sub_streams)."""
+    for stream in [*keys.all_jobs(), *sub_streams]:
         pipe.xlen(stream)
         pipe.xpending(stream, keys.group)
 
 
-def lane_depths(replies: list) -> dict[str, tuple[int, int]]:
+def lane_depths(replies: list, sub_lanes: Sequence[str] = ()) -> dict[str, tuple[int, int]]:
     """{lane: (queued, pending)} from queue_lane_depths()' replies (executed with
     raise_on_error=False: a lane or group not created yet counts as empty). Workers delete the
     entries they ack (docs/protocol.md), so a stream holds exactly its queued (never delivered)
-    entries plus the pending ones."""
+    entries plus the pending ones. `sub_lanes`: the lane of each sub-stream queued after them."""
     out = {lane: (0, 0) for lane in LANES}
+    lanes = len(replies) // 2 - len(sub_lanes)
     for i in range(len(replies) // 2):  # shard by shard, LANES order within a shard
-        lane = LANES[i % len(LANES)]
+        lane = LANES[i % len(LANES)] if i < lanes else sub_lanes[i - lanes]
         queued, pend = out[lane]
         length, summary = replies[2 * i], replies[2 * i + 1]
         pending = int(summary["pending"]) if isinstance(summary, dict) else 0

@@ -107,3 +107,25 @@ class TenantKeys:
 def sub_stream(lane_stream: str, tenant: str) -> str:
     """Where a job of `tenant` (not the default one) queues on `lane_stream`."""
     return f"{lane_stream}{SUB_STREAM_SEP}{check_tenant(tenant)}"
+
+
+def _text(v) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def queue_known(pipe, keys: Keys) -> None:
+    """Queue (sync or asyncio pipeline) what known_sub_streams reads: each lane's known set."""
+    t = TenantKeys(keys)
+    for lane in keys.all_jobs():
+        pipe.smembers(t.fair(lane)[2])
+
+
+def known_sub_streams(keys: Keys, replies: list) -> list[str]:
+    """Every sub-stream a tenant ever had on a lane, from queue_known's replies (an unreadable
+    reply, or a name that is no tenant's, is skipped)."""
+    out = []
+    for lane, members in zip(keys.all_jobs(), replies):
+        if isinstance(members, (set, list)):
+            out += [sub_stream(lane, _text(m)) for m in sorted(members, key=_text)
+                    if TENANT_RE.match(_text(m))]
+    return out

@@ -18,7 +18,8 @@ from genpool.schemas.tenants import (
     FAIR_STATE_TTL_S,
     TENANT_RE,
     TenantKeys,
-    sub_stream,
+    known_sub_streams,
+    queue_known,
 )
 
 FAIR_READ = Script(FAIR_READ_LUA)
@@ -45,14 +46,11 @@ class FairPull:
 
     def refresh(self, r, keys: Keys) -> None:
         """Learn the known tenants' sub-streams and the weights (one pipelined round trip)."""
-        t, lanes = TenantKeys(keys), keys.all_jobs()
         pipe = r.pipeline(transaction=False)
-        for lane in lanes:
-            pipe.smembers(t.fair(lane)[2])
-        pipe.hgetall(t.weights)
+        queue_known(pipe, keys)
+        pipe.hgetall(TenantKeys(keys).weights)
         *known, weights = pipe.execute()
-        self.sub_streams = [sub_stream(lane, _s(m)) for lane, members in zip(lanes, known)
-                            for m in sorted(members) if TENANT_RE.match(_s(m))]
+        self.sub_streams = known_sub_streams(keys, known)
         self.weights = {_s(k): int(v) for k, v in weights.items()
                         if TENANT_RE.match(_s(k)) and _s(v).isdigit() and 1 <= int(v) <= 1000}
 

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from genpool.schemas.connection import lane_depths, queue_lane_depths, stored_shards
+from genpool.schemas.tenants import known_sub_streams, queue_known
 from genpool.workers.integrations.tenant_metrics import TenantCounters
 from genpool.workers.observe import WorkerObserver
 
@@ -144,11 +145,15 @@ class QueueSource:
         # every lane shard the deployment has (workers publish the count; it only grows)
         keys = self.keys.with_shards(stored_shards(self.r.hget(self.keys.meta, "lane_shards")))
         pipe = self.r.pipeline(transaction=False)
-        queue_lane_depths(pipe, keys)
+        queue_known(pipe, keys)  # tenants' sub-streams (fair pull) hold queued jobs too
+        subs = known_sub_streams(keys, pipe.execute(raise_on_error=False))
+        pipe = self.r.pipeline(transaction=False)
+        queue_lane_depths(pipe, keys, subs)
         pipe.xlen(self.keys.dead)
         out = pipe.execute(raise_on_error=False)
         dead = out[-1] if isinstance(out[-1], int) else 0
-        return {"lanes": lane_depths(out[:-1]), "dead": dead}
+        return {"lanes": lane_depths(out[:-1], [keys.lane_of_stream(s) for s in subs]),
+                "dead": dead}
 
 
 class _SnapshotCollector:

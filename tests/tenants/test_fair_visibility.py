@@ -1,0 +1,30 @@
+"""Issue 31, fair pull: jobs queued on tenants' sub-streams are counted where queue depth is
+shown or enforced: `genpool status` (Client.status) and the gateway's --max-queue-depth."""
+from __future__ import annotations
+
+import httpx
+
+from genpool.producer import Client
+from tests.pool_helpers import client_env
+from tests.producer.test_gateway_limits import serve
+
+
+def test_status_counts_the_tenants_queued_jobs(redis_url):
+    with client_env(redis_url, "fairvis") as (url, prefix, c):
+        c.submit_many([{"prompt": "x", "tenant": "acme"} for _ in range(3)])
+        c.submit_many([{"prompt": "x", "tenant": "beta", "priority": 1} for _ in range(2)])
+        c.submit("plain")
+        lanes = c.status()["lanes"]
+        assert lanes["normal"]["queued"] == 4 and lanes["low"]["queued"] == 2
+
+
+def test_the_gateways_queue_depth_limit_counts_tenants_jobs(redis_url):
+    from genpool.producer.gateway import create_app
+
+    with client_env(redis_url, "fairgw") as (url, prefix, c):
+        Client(url, prefix, tenant="acme").submit_many([{"prompt": "x"} for _ in range(3)])
+        app = create_app(url, prefix, max_queue_depth=2, queue_without_workers=True)
+        with serve(app) as port:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": "fake", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
