@@ -405,6 +405,7 @@ class LLMEngine:
             free_seq_slots=max(0, sch.max_num_seqs - len(sch.running) - len(sch.waiting)),
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=sch.num_preemptions, num_requests=len(self.requests),
+            spec_draft_tokens=self.speculator.drafted, spec_accepted_tokens=self.speculator.accepted,
             **self.structured.stats(),
             decode_step_time_mean=c["decode_time_total"] / c["decode_steps"] if c["decode_steps"] else None,
             **{k: v for k, v in c.items() if k not in ("decode_time_total",)},

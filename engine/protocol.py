@@ -33,6 +33,8 @@ class EngineStats(Mapping):
     prefix_cache_queries: int = 0  # in tokens, as vLLM counts them
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding (engine/speculative.py): tokens drafted
+    spec_accepted_tokens: int = 0  # and accepted
     decode_step_time_mean: float | None = None  # seconds; None before the first pure-decode step
     # structured outputs (engine/structured.py): the grammar cache and compiles waiting
     grammar_cache_hits: int = 0
