@@ -51,6 +51,12 @@ def test_every_engine_flag_reaches_its_field():
         grammar_compile_timeout_s=4.0)
     q = parse("--quantization", "int8")
     assert EngineConfig(model=q.model, **engine_kwargs(q)).quantization == "int8"
+    s = parse("--speculative-method", "ngram", "--num-speculative-tokens", "6",
+              "--prompt-lookup-min", "1", "--prompt-lookup-max", "5", "--speculative-max-batch", "2")
+    spec = EngineConfig(model=s.model, **engine_kwargs(s)).spec_config()
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+            spec.max_batch) == (6, 1, 5, 2)
+    assert EngineConfig(model="m").spec_config() is None  # off unless asked
 
 
 def test_defaults_are_the_dataclass_defaults():
