@@ -118,16 +118,21 @@ def run_mode(llm, cases, choice: str, max_tokens: int) -> dict:
     outs = llm.chat(convs, params)
     dt = time.perf_counter() - t0
     n_valid = picked = right = 0
-    examples = []
+    examples, invalid = [], []
     for (want, ask), tools, o in zip(cases, parsers, outs):
         _, calls = openai_tools.split(tools, o.outputs[0].text)
+        ok = bool(calls) and all(valid(c) for c in calls)
         picked += bool(calls)
-        n_valid += bool(calls) and all(valid(c) for c in calls)
+        n_valid += ok
         right += bool(calls) and calls[0]["function"]["name"] == want
+        seen = {"ask": ask, "answer": o.outputs[0].text[:300],
+                "finish_reason": o.outputs[0].finish_reason}
         if len(examples) < 3:
-            examples.append({"ask": ask, "answer": o.outputs[0].text[:300]})
+            examples.append(seen)
+        if calls and not ok or (choice == "required" and not ok):
+            invalid.append(seen)
     return {"n": len(cases), "valid": n_valid, "picked": picked, "right_tool": right,
-            "seconds": dt, "examples": examples}
+            "seconds": dt, "examples": examples, "invalid": invalid}
 
 
 def main() -> None:
@@ -135,6 +140,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--modes", default="required,auto")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch
@@ -145,13 +151,15 @@ def main() -> None:
     llm = LLM(args.model, dtype="float32", max_num_seqs=64)
     cases = prompts()
     res = {"load_avg_start": os.getloadavg(), "modes": {}}
-    for choice in ("required", "auto"):
+    for choice in args.modes.split(","):
         r = run_mode(llm, cases, choice, args.max_tokens)
         res["modes"][choice] = r
         print(f"{choice}: valid {r['valid']}/{r['n']}, picked a tool {r['picked']}/{r['n']}, "
               f"right tool {r['right_tool']}/{r['n']} ({r['seconds']:.1f} s)", flush=True)
         for ex in r["examples"]:
             print("   ", json.dumps(ex)[:300])
+        for ex in r["invalid"]:
+            print("    invalid:", json.dumps(ex)[:400])
     res["load_avg_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as fh:
