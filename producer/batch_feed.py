@@ -2,15 +2,17 @@
 window at a time, in an order that serves deadlines and the prefix cache.
 
 - **Expansion** (`validating`): every line is checked; a bad one is answered at once, a good one
-  goes to the batch's `lines` hash and its `todo` set, ordered: the first line of each prompt
-  prefix (its first PREFIX_CHARS characters) in input order, then the others prefix by prefix.
+  goes to the batch's `lines` hash and its `todo` set, ordered prefix by prefix (a prefix: the
+  prompt text's first PREFIX_CHARS characters), each prefix's first line before its others.
 - **Feeding** (`in_progress`, every pass): up to `in_flight` lines of a batch are submitted and
   unanswered at once. A batch feeds only while no batch whose window ends sooner has lines left
   to submit: across the pool's gateways, the bulk lane serves batches earliest deadline first.
   A prefix's other lines wait for its first line to be computed (answered, or its first token
   PREFIX_GATE_S old, so its worker has published the prefix), then arrive together, and prefix
-  routing (workers/router.py) sends them where the prefix is cached: each document of N x M
-  lines is prefilled about once rather than once per worker that happened to pull a line.
+  routing (workers/router.py) sends them where the prefix is cached. At most twice as many
+  prefixes as there are live workers are under way at once, so a prefix's blocks are still
+  cached when its other lines run: each document of N x M lines is prefilled about once rather
+  than once per worker that happened to pull a line, or again after it was evicted.
 """
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ if TYPE_CHECKING:
     from .batch_driver import BatchDriver
 
 CHUNK = 500
-FOLLOWERS = 1 << 40  # the order of a prefix's other lines: after every prefix's first line
 SCAN = 4  # a feed looks at this many times its room for lines that may go now
 
 
@@ -61,13 +62,17 @@ async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
                            bl.http_error(jid, obj["custom_id"], e), "", ttl)
             continue
         lead_id, lead_n = leads.setdefault(prefix_key(req.kwargs), (jid, n))
-        entries[jid] = json.dumps({"n": n, "obj": obj, "lead": None if lead_id == jid else lead_id})
-        order[jid] = n if lead_id == jid else FOLLOWERS + (lead_n << 17) + n
+        lead = None if lead_id == jid else lead_id
+        entries[jid] = {"n": n, "obj": obj, "lead": lead, "followers": 0}
+        if lead is not None:
+            entries[lead]["followers"] += 1
+        # a prefix's first line, then its others, prefix after prefix in input order
+        order[jid] = (lead_n << 17) + (0 if lead is None else n)
     ids = list(entries)
     for i in range(0, len(ids), CHUNK):
         chunk = ids[i:i + CHUNK]
         await d.renew(bid)
-        await d.r.hset(k.batch_lines(bid), mapping={j: entries[j] for j in chunk})
+        await d.r.hset(k.batch_lines(bid), mapping={j: json.dumps(entries[j]) for j in chunk})
         await d.r.zadd(k.batch_todo(bid), {j: order[j] for j in chunk})
     for key in (k.batch_lines(bid), k.batch_todo(bid)):
         await d.r.expire(key, ttl)
@@ -91,20 +96,7 @@ async def feed(d: "BatchDriver", bid: str, view: BatchView, in_flight: int) -> i
     room = in_flight - await d.r.scard(k.batch_sent(bid))
     if room <= 0 or not await d.r.zcard(k.batch_todo(bid)) or not await first_in_line(d, view):
         return 0
-    ids = await d.r.zrange(k.batch_todo(bid), 0, room * SCAN - 1)
-    infos = await d.lines_of(bid, ids)
-    ready: dict[str, bool] = {}
-    picked = []
-    for jid, info in zip(ids, infos):
-        if info is None:
-            continue
-        lead = info["lead"]
-        if lead is not None and lead not in ready:
-            ready[lead] = await lead_computed(d, bid, lead)
-        if lead is None or ready[lead]:
-            picked.append((jid, info))
-        if len(picked) >= room:
-            break
+    picked = await pick(d, bid, room, 2 * max(1, len(await live_workers_async(d.r, k))))
     if not picked:
         return 0
     # sent before submitted: a crash between leaves a sent line with no job, which collect()
@@ -115,6 +107,36 @@ async def feed(d: "BatchDriver", bid: str, view: BatchView, in_flight: int) -> i
                                 for _, x in picked])
     await d.r.zrem(k.batch_todo(bid), *[j for j, _ in picked])
     return len(picked)
+
+
+async def pick(d: "BatchDriver", bid: str, room: int, open_max: int) -> list[tuple[str, dict]]:
+    """Up to `room` lines that may go now, in order. A prefix is open from its first line's
+    submission until its last line's: at most `open_max` (twice the live workers) are open at
+    once, so a prefix's lines run while its blocks are still cached; a line that shares its
+    prefix with no other is never held back."""
+    ids = await d.r.zrange(d.keys.batch_todo(bid), 0, room * SCAN - 1)
+    ready: dict[str, bool] = {}
+    open_now: set[str] = set()  # prefixes (by their first line) with lines left in `todo`
+    picked = []
+    for jid, info in zip(ids, await d.lines_of(bid, ids)):
+        if info is None:
+            continue
+        lead = info["lead"]
+        if lead is None and info["followers"] and jid not in open_now:
+            if len(open_now) >= open_max:
+                continue  # a new prefix waits until one open now is done
+            open_now.add(jid)
+            ready[jid] = False  # its others wait for it to be computed
+        elif lead is not None:
+            open_now.add(lead)
+            if lead not in ready:
+                ready[lead] = await lead_computed(d, bid, lead)
+            if not ready[lead]:
+                continue
+        picked.append((jid, info))
+        if len(picked) >= room:
+            break
+    return picked
 
 
 async def lead_computed(d: "BatchDriver", bid: str, lead: str) -> bool:
