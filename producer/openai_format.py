@@ -240,6 +240,11 @@ def _finish(reason: Optional[str]) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
+def _finish_calls(reason: Optional[str], calls: list) -> str:
+    """"tool_calls" for an answer that is calls, unless max_tokens cut it ("length", as OpenAI)."""
+    return "tool_calls" if calls and reason != "length" else _finish(reason)
+
+
 def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] = None) -> dict:
     """A `chat.completion` or `text_completion` body for a successful job."""
     choices = res.choices or [_single(res)]
@@ -257,8 +262,7 @@ def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] =
             if calls:
                 message["tool_calls"] = calls
             body["choices"].append({"index": c.index, "logprobs": lps(c), "message": message,
-                                    "finish_reason": "tool_calls" if calls
-                                    else _finish(c.finish_reason)})
+                                    "finish_reason": _finish_calls(c.finish_reason, calls)})
     else:
         body["object"] = "text_completion"
         body["choices"] = []
@@ -321,7 +325,7 @@ def final_chunks(req: OpenAIRequest, res: JobResult, created: int) -> list[dict]
             out += openai_tools.chunks(partial(chunk_body, req, res.id, created, c.index),
                                        content, calls)
         out.append(chunk_body(req, res.id, created, c.index,
-                              finish_reason="tool_calls" if calls else _finish(c.finish_reason)))
+                              finish_reason=_finish_calls(c.finish_reason, calls)))
     if req.include_usage:
         out.append({**chunk_body(req, res.id, created, 0), "choices": [],
                     "usage": usage_body(res.usage)})

@@ -221,6 +221,19 @@ def _call(obj: Any) -> Optional[dict]:
             "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}}
 
 
+_CUT_RE = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S)
+
+
+def _cut_call(text: str) -> Optional[dict]:
+    """A constrained call that max_tokens cut: its name and the arguments' text so far (not
+    valid JSON; finish_reason says "length"), or None when it was cut before its arguments."""
+    m = _CUT_RE.match(text)
+    if m is None:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": json.loads(f'"{m.group(1)}"'), "arguments": m.group(2)}}
+
+
 def hermes(text: str) -> tuple[Optional[str], list[dict]]:
     """(content, calls): every `<tool_call>{json}</tool_call>` that parses, and the text left."""
     calls = []
@@ -247,8 +260,8 @@ def split(tools: Optional[Tools], text: str) -> tuple[Optional[str], list[dict]]
     if tools.constrained:  # the constraint made it exactly one call's JSON
         try:
             call = _call(json.loads(text))
-        except ValueError:
-            call = None
+        except ValueError:  # cut short (max_tokens): OpenAI's answer, the arguments so far
+            call = _cut_call(text)
         return (None, [call]) if call else (text, [])
     return PARSERS[tools.parser](text)
 

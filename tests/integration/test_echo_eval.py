@@ -196,3 +196,39 @@ def test_lm_eval_harness_local_completions_equals_hf(pool, smollm2_path, tmp_pat
     for got, want in zip(lls, hf_lls):
         assert got == pytest.approx(want, abs=1e-3)
     assert acc == hf_acc and acc > 0.5  # the small model knows most capitals
+
+
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"name": {"type": "string"},
+                                     "children": {"type": "array", "maxItems": 1,
+                                                  "items": {"$ref": "#"}}},
+    "required": ["name"], "additionalProperties": False}}}
+
+
+def test_hostile_openai_inputs_get_clear_400s_and_leave_the_worker_unharmed(pool):
+    """Huge tool lists, top_logprobs 10^6, out-of-vocabulary logit_bias: OpenAI-shaped 400s
+    naming the parameter; a recursive tool schema is served (its call valid); then an ordinary
+    request is answered as usual."""
+    base, chat = pool["base"], [{"role": "user", "content": "Name a tree."}]
+    weather = {"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}
+    bad = [({"messages": chat, "tools": [weather] * 10_000}, "/v1/chat/completions", "tools"),
+           ({"messages": chat, "logprobs": True, "top_logprobs": 10**6}, "/v1/chat/completions",
+            "top_logprobs"),
+           ({"prompt": "Hi", "logit_bias": {"999999": 5}}, "/v1/completions", None)]
+    for body, route, param in bad:
+        r = httpx.post(base + route, json={"model": "smol", "max_tokens": 2, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"] and (param is None or err["param"] == param), err
+    answer = pool["client"].chat.completions.create(
+        model="smol", messages=chat, tools=[TREE], tool_choice="required", max_tokens=200,
+        temperature=0).choices[0]
+    call = answer.message.tool_calls[0]  # greedy, the small model may nest until max_tokens
+    assert call.function.name == "tree" and call.function.arguments.startswith("{")
+    if answer.finish_reason == "tool_calls":
+        import jsonschema
+        jsonschema.validate(json.loads(call.function.arguments), TREE["function"]["parameters"])
+    else:  # cut short: OpenAI's shape, the arguments so far and finish_reason "length"
+        assert answer.finish_reason == "length"
+    ok = pool["client"].completions.create(model="smol", prompt="Hi", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")

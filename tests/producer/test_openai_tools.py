@@ -160,3 +160,17 @@ def test_prepare_and_attach_give_the_python_clients_the_gateways_tools():
     assert got.content == "Sure." and got.tool_calls[0].function.name == "get_weather"
     plain = JobResult(id="j", text=a, finish_reason="stop")
     assert openai_tools.attach(None, plain) is plain
+
+
+def test_a_constrained_call_cut_by_max_tokens_keeps_its_name_and_partial_arguments():
+    """As OpenAI answers a call cut by max_tokens: tool_calls with the arguments so far, and
+    finish_reason "length" (not "tool_calls")."""
+    from genpool.producer import openai_tools
+    from genpool.producer.openai_format import _finish_calls
+
+    tools = openai_tools.parse({"tools": [WEATHER], "tool_choice": "required"})
+    content, calls = openai_tools.split(tools, '{"name":"get_weather","arguments":{"city":"Os')
+    assert content is None and calls[0]["function"] == {"name": "get_weather",
+                                                         "arguments": '{"city":"Os'}
+    assert openai_tools.split(tools, '{"na') == ('{"na', [])  # cut before the arguments
+    assert _finish_calls("length", calls) == "length" and _finish_calls("stop", calls) == "tool_calls"
