@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from genpool.schemas import JobResult
 
+from . import openai_tools
 from .client import Client, _retrying
 from .errors import NoWorkers, no_worker_target, worker_command
 from .liveness import live_workers, serving
@@ -119,13 +120,16 @@ def map_prompts(client: Client, items: Iterable[Any], *, concurrency: int = 16,
                 **common: Any) -> list[JobResult]:
     """Run every item (a prompt string, or a dict of submit kwargs such as `messages`) with at
     most `concurrency` jobs in flight; results come back in input order. `common` kwargs (e.g.
-    max_tokens, temperature) apply to every item unless the item sets its own. A failed job
+    max_tokens, temperature) apply to every item unless the item sets its own; `tools` and
+    `tool_choice` as in Client.submit (results carry `tool_calls`). A failed job
     yields a JobResult with `.error` set; invalid items raise ValueError before anything runs.
     No live worker for the jobs' model is logged at once (genpool.client); `timeout` (the whole
     map) and `no_worker_s` end the wait as in Job.result: NoWorkers or TimeoutError."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     todo = [_as_kwargs(item, common) for item in items]
+    # tools applied here, once (the prepared kwargs are plain chat jobs), and read back below
+    tools = [openai_tools.prepare(kw) for kw in todo]
     for kw in todo:
         build_request(**kw)  # fail fast: nothing is submitted when any item is invalid
     if len({kw["job_id"] for kw in todo}) < len(todo):
@@ -142,7 +146,7 @@ def map_prompts(client: Client, items: Iterable[Any], *, concurrency: int = 16,
         done, lost = poll_results(client, list(inflight))
         for jid, res in done.items():
             i = inflight.pop(jid)
-            results[i] = res
+            results[i] = res = openai_tools.attach(tools[i], res)
             if on_result is not None:
                 on_result(i, res)
         if lost:

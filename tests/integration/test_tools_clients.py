@@ -83,6 +83,15 @@ def test_submit_with_a_named_or_required_tool_gets_a_valid_call(smol):
     assert after.text == text and valid_call(after.tool_calls[0])["name"] == "get_weather"
 
 
+def test_map_applies_common_tools_to_every_item(smol):
+    _, _, c = smol
+    asks = [[{"role": "user", "content": f"Weather in {city}?"}] for city in ("Lima", "Oslo")]
+    got = c.map([{"messages": m} for m in asks], tools=[WEATHER, CLOCK], tool_choice="required",
+                max_tokens=60, temperature=0, timeout=240)
+    assert [r.content for r in got] == [None, None]
+    assert all(valid_call(r.tool_calls[0])["name"] in SCHEMAS for r in got)
+
+
 def test_async_submit_and_a_tool_result_conversation(smol):
     url, prefix, _ = smol
     convo = ASK + [
