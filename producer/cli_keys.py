@@ -44,13 +44,13 @@ def register_keys(sub) -> None:
                         formatter_class=HELP_FMT)
     lim.add_argument("tenant", type=tenant_arg, help="the tenant whose limits to show or set")
     for flag, what in (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
-                       ("--max-concurrent", "jobs running at once, pool-wide (not enforced "
-                                            "yet)"),
+                       ("--max-concurrent", "jobs running at once, pool-wide (taken at "
+                                            "claim time)"),
                        ("--max-queued", "jobs waiting at once (checked at submit)")):
         lim.add_argument(flag, type=int, default=None,
                          help=f"{what}; 0 removes the limit (default: none: unchanged)")
     lim.add_argument("--weight", type=int, default=None,
-                     help="its share in fair pull (not enforced yet; default: none: unchanged)")
+                     help="its share in fair pull (default: none: unchanged)")
     lim.set_defaults(func=cmd_limits)
     for q in (c, ls, rv, lim):
         add_connection_args(q)

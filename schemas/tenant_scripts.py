@@ -58,7 +58,8 @@ return entry
 # hash tag, so one slot.
 # KEYS: high, normal, low lane streams, then per lane its ring, active set, deficit hash.
 # ARGV: group, consumer, high count, capacity, quantum, default cost, state TTL, then
-# tenant / weight pairs (absent: weight 1). Returns READ_LUA's shape: {{stream, entries}, ...}.
+# tenant / weight pairs (absent: weight 1; 0: skip it this time, it is at its concurrency cap).
+# Returns READ_LUA's shape: {{stream, entries}, ...}.
 FAIR_READ_LUA = """
 local group, consumer = ARGV[1], ARGV[2]
 local quantum, default_cost, ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
@@ -89,22 +90,25 @@ local function fair(main, ring, active, deficit, n)
   if n <= 0 then return 0 end
   local members = redis.call('LRANGE', ring, 0, -1)
   if #members == 0 then return take(main, n) end
-  local order, streams, d, idle, got = {'default'}, {main}, {}, {}, {}
+  local order, streams, d, idle, got, skip = {'default'}, {main}, {}, {}, {}, {}
   for _, m in ipairs(members) do
     table.insert(order, m)
     table.insert(streams, main .. ':t:' .. m)
   end
   local cur, resume = 1, redis.call('HGET', deficit, ':resume') == '1'
   local at = redis.call('HGET', deficit, ':cursor')
+  local live = 0
   for i, m in ipairs(order) do
     d[i] = tonumber(redis.call('HGET', deficit, m) or '0')
     if m == at then cur = i end
+    skip[i] = weights[m] == 0  -- at its concurrency cap: not read now, keeps its place
+    if not skip[i] then live = live + 1 end
   end
   if order[cur] ~= at then resume = false end
-  local served, live, i, spins = 0, #order, cur, 0
+  local served, i, spins = 0, cur, 0
   while served < n and live > 0 and spins < 100000 do
     spins = spins + 1
-    if not idle[i] then
+    if not idle[i] and not skip[i] then
       if not resume then d[i] = d[i] + quantum * (weights[order[i]] or 1) end
       resume = false
       while d[i] > 0 and served < n do
@@ -135,4 +139,24 @@ free = free - fair(KEYS[1], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[3]))
 free = free - fair(KEYS[2], KEYS[7], KEYS[8], KEYS[9], free)
 fair(KEYS[3], KEYS[10], KEYS[11], KEYS[12], free)
 return out
+"""
+
+# --- used by workers/caps.py ---
+# A tenant's concurrency cap (TenantLimits.max_concurrent), pool-wide, taken at claim time: a
+# slot is a member of the tenant's running set (`<job id>@<worker>` -> deadline, ms on the
+# server's clock),
+# renewed by its worker's lease thread and removed when the job ends; a worker that dies leaks
+# nothing, its slots lapse at their deadline. KEYS[1] the running set; ARGV: slot, cap, slot
+# lifetime ms, `acquire` | `renew`. Returns 1 (held) or 0 (acquire: the tenant is at its cap;
+# renew: the slot was gone).
+SLOT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if ARGV[4] == 'renew' and not held then return 0 end
+if not held and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
 """

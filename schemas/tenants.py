@@ -80,6 +80,11 @@ class TenantKeys:
         read it every upkeep: they cannot know every tenant's limits record)."""
         return f"{self.prefix}:weights:{self.tag}"
 
+    def running(self, tenant: str) -> str:
+        """Sorted set: `<job id>@<worker>` -> slot deadline (ms) of `tenant`'s jobs holding a
+        concurrency slot (SLOT_LUA; workers/caps.py)."""
+        return f"{self.prefix}:running:{self.tag}:{check_tenant(tenant)}"
+
     def rate(self, tenant: str) -> str:
         """Hash: `window` (epoch seconds // RATE_WINDOW_S), `requests`, `tokens` of `tenant`
         in that window (RATE_LUA resets it when a new window begins; TTL two windows)."""

@@ -5,9 +5,10 @@ the claim: start it, queue it to run alone, or end it through JobTable.finish.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 from genpool.workers.admission import SOLO_AFTER, Admitter, longest_token_chars, prepare
+from genpool.workers.caps import ConcurrencyCaps
 from genpool.workers.intake import parse_entry
 from genpool.workers.job import LET_GO, Claim, Entry, Job
 from genpool.workers.jobs import JobTable
@@ -41,8 +42,10 @@ class Intake(Preparer):
 class Admission:
     def __init__(self, engine, served_models: frozenset[str], admitter: Admitter,
                  jobs: JobTable, keeper: LeaseKeeper, router, observers: Observers,
-                 refused: Callable[[WritesRefused, bool], None]):
+                 refused: Callable[[WritesRefused, bool], None],
+                 caps: Optional[ConcurrencyCaps] = None):
         self.engine, self.served = engine, served_models
+        self.caps = caps  # tenants' concurrency caps (workers/caps.py)
         self.admitter, self.jobs, self.keeper, self.router = admitter, jobs, keeper, router
         self.observers, self._refused = observers, refused
         longest = longest_token_chars(engine.tokenizer)  # 2x: room for a normalizer that
@@ -68,6 +71,7 @@ class Admission:
                                     self.max_prompt_chars))
         jobs += self.preparer.ready()
         jobs = self.router.route(jobs)  # new jobs a peer caches more of go to that peer
+        jobs = self._within_caps(jobs)
         if not jobs:
             return
         try:
@@ -79,8 +83,27 @@ class Admission:
             # wait forever. A claim that landed unseen just expires, as a lost worker's would.
             for j in jobs:
                 self.keeper.drop(j.entry, j.job_id)
+                if self.caps is not None:
+                    self.caps.release(j.job_id)
             raise
         self._settle_all(jobs)
+
+    def _within_caps(self, jobs: list[Job]) -> list[Job]:
+        """The jobs whose tenant has a concurrency slot for them; the others stay held (kept
+        fresh, counted as pending) and are tried again with the next admission."""
+        if self.caps is None or not jobs:
+            return jobs
+        try:
+            waiting = {id(j) for j in self.caps.acquire(jobs)}
+        except BaseException:
+            for j in jobs:  # as in admit(): let go, not kept fresh
+                self.keeper.drop(j.entry, j.job_id)
+            raise
+        for j in jobs:
+            if id(j) in waiting:
+                j.entry.origin = ""  # routed once already
+                self.preparer.unclaimed.append(j)
+        return [j for j in jobs if id(j) not in waiting]
 
     def _settle_all(self, jobs: list[Job]) -> None:
         unsettled = {id(j): j for j in jobs}

@@ -8,6 +8,8 @@ a restarted worker's own-pending check must look at beside the lane streams.
 """
 from __future__ import annotations
 
+from typing import Collection
+
 from genpool.schemas import Keys
 from genpool.schemas.keys import GROUP
 from genpool.schemas.scripting import Script
@@ -36,11 +38,14 @@ class FairPull:
         self.weights: dict[str, int] = {}
         self.sub_streams: list[str] = []  # every known tenant's sub-stream of every lane
 
-    def queue_read(self, pipe, keys: Keys, shard: int, high: int, free: int) -> None:
-        """FAIR_READ_LUA on one lane shard, on `pipe` (READ_LUA's budgets and reply)."""
+    def queue_read(self, pipe, keys: Keys, shard: int, high: int, free: int,
+                   full: Collection[str] = ()) -> None:
+        """FAIR_READ_LUA on one lane shard, on `pipe` (READ_LUA's budgets and reply); the
+        tenants `full` (at their concurrency cap: workers/caps.py) are skipped this time."""
         lanes, t = keys.shard_lanes(shard), TenantKeys(keys)
         state = [k for lane in lanes for k in (t.fair(lane)[0], t.fair(lane)[1], t.fair(lane)[3])]
-        weights = [x for tenant, w in sorted(self.weights.items()) for x in (tenant, w)]
+        weighted = {**self.weights, **dict.fromkeys(full, 0)}
+        weights = [x for tenant, w in sorted(weighted.items()) for x in (tenant, w)]
         FAIR_READ.queue(pipe, [*lanes, *state], [GROUP, self.name, high, free, FAIR_QUANTUM,
                                                   DEFAULT_COST, FAIR_STATE_TTL_S, *weights])
 

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import redis
 
@@ -33,8 +33,10 @@ TOKEN_TEXT_CACHE = 65536  # token texts a worker keeps (the vocabulary of most m
 
 class JobTable:
     def __init__(self, engine: Engine, outbox: Outbox, keeper: LeaseKeeper, r, keys, name: str,
-                 observers: Observers, counts: dict):
+                 observers: Observers, counts: dict,
+                 ended: Optional[Callable[[Optional[str]], None]] = None):
         self.engine, self.outbox, self.keeper = engine, outbox, keeper
+        self.ended = ended  # told every job id that ends here (workers/caps.py frees its slot)
         self.r, self.keys, self.name = r, keys, name
         self.observers, self.counts = observers, counts
         self.running: dict[str, Job] = {}
@@ -162,6 +164,8 @@ class JobTable:
             self.solo.remove(job)
         self._write(job, outcome)
         self.keeper.drop(job.entry, job.job_id)
+        if self.ended is not None:
+            self.ended(job.job_id)
         name = COUNTED.get(outcome.end)
         if name and (was is JobState.RUNNING or (name == "lost" and was is JobState.SOLO)):
             self.counts[name] += 1

@@ -25,6 +25,7 @@ from genpool.schemas.scripting import pipelined
 from genpool.schemas.workers import WorkerInfo
 from genpool.workers.admission import Admitter
 from genpool.workers.admit import Admission
+from genpool.workers.caps import ConcurrencyCaps
 from genpool.workers.fair import FAIR_READ, FairPull
 from genpool.workers.heartbeat import Heartbeat
 from genpool.workers.job import DONE, Entry, Outcome
@@ -72,8 +73,10 @@ class Worker:
         self.keeper = LeaseKeeper(r, keys, self.name, cfg.claim_idle_ms,
                                   min(cfg.heartbeat_s, cfg.claim_idle_ms / 3000), self._beat)
         self.publisher = Publisher(self.outbox, r, self.keeper)
+        # tenants' concurrency slots: taken at claim time, renewed by the lease thread
+        self.caps = ConcurrencyCaps(r, keys, cfg.claim_idle_ms, self.name)
         self.jobs = JobTable(engine, self.outbox, self.keeper, r, keys, self.name,
-                             self.observers, self.counts)
+                             self.observers, self.counts, self.caps.release)
         self.router = Router(self, engine, r, cfg, self.keeper)  # prefix-aware routing
         self.fair = FairPull(self.name)  # tenants' sub-streams, weights (workers/fair.py)
         self.recovery = Recovery(r, self.publisher, self.outbox, self.jobs, self.counts,
@@ -81,7 +84,8 @@ class Worker:
                                  lambda: self.stopping)
         self.admission = Admission(engine, cfg.served_models, Admitter(
             r, keys, self.name, cfg.max_deliveries, cfg.job_ttl_s, cfg.claim_idle_ms, cfg.resume),
-            self.jobs, self.keeper, self.router, self.observers, self.recovery.writes_refused)
+            self.jobs, self.keeper, self.router, self.observers, self.recovery.writes_refused,
+            self.caps)
         self.control = ControlReader(keys)
         self.next_upkeep, self.reclaim_owed = 0.0, False  # see upkeep
 
@@ -112,6 +116,7 @@ class Worker:
         for _ in range(3):
             if guarded(self.finish, attempts=3):
                 break
+        guarded(self.caps.flush, attempts=3)  # the slots of the jobs that ended last
         self.publisher.close()
         self.admission.close()
         self.observers.emit("worker_stopped", self)
@@ -211,7 +216,7 @@ class Worker:
         reads = [self.control.queue_read, *inbox]
         for shard, h, f in lane_budgets(self.keys.lane_shards, high, free, self.steps):
             reads.append(lambda pipe, shard=shard, h=h, f=f: self.fair.queue_read(
-                pipe, self.keys, shard, h, f))
+                pipe, self.keys, shard, h, f, self.caps.full))
         control, *rest = pipelined(self.r, reads, lambda pipe, q: q(pipe), [FAIR_READ],
                                    raise_errors=True)
         if inbox:
@@ -227,7 +232,8 @@ class Worker:
         self.idle_reads += 1
         # tenants' sub-streams wake no blocked read: look at the shard's fair turns first
         entries = entries_from(pipelined(self.r, [shard], lambda pipe, k: self.fair.queue_read(
-            pipe, self.keys, k, free, free), [FAIR_READ], raise_errors=True)[0], self.keys)
+            pipe, self.keys, k, free, free, self.caps.full), [FAIR_READ], raise_errors=True)[0],
+            self.keys)
         if entries:
             for e in entries:
                 self.router.note(e)
@@ -323,6 +329,7 @@ class Worker:
     def _beat(self) -> None:  # the lease thread's heartbeat (and prefix-index freshness)
         self.heartbeat.beat(self.status())
         self.router.touch()
+        self.caps.renew()
 
     def status(self) -> WorkerInfo:
         """The heartbeat's document. Strict and closed: a field WorkerInfo does not know is an
