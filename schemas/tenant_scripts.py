@@ -147,15 +147,17 @@ return out
 # server's clock),
 # renewed by its worker's lease thread and removed when the job ends; a worker that dies leaks
 # nothing, its slots lapse at their deadline. KEYS[1] the running set; ARGV: slot, cap, slot
-# lifetime ms, `acquire` | `renew`. Returns 1 (held) or 0 (acquire: the tenant is at its cap;
-# renew: the slot was gone).
+# lifetime ms, `acquire` | `renew`. Returns 1 (held) or 0 (acquire: the tenant is at its cap).
+# A renew puts back a slot the set lost (a Redis restart without persistence, a lease thread
+# that stalled past the deadline): the job runs, so it counts.
 SLOT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if ARGV[4] == 'renew' and not held then return 0 end
-if not held and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+if ARGV[4] ~= 'renew' and not held and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  return 0
+end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
