@@ -99,6 +99,8 @@ def test_a_rewind_names_each_completion_it_cuts():
 
 def test_submit_validates_locally(client):
     with pytest.raises(ValueError, match=r"max_tokens: Input should be greater than or equal"):
+        client.submit("x", max_tokens=-1)
+    with pytest.raises(ValueError, match="max_tokens 0 needs prompt_logprobs"):
         client.submit("x", max_tokens=0)
     with pytest.raises(ValueError, match="unknown field 'temprature'"):
         client.submit("x", temprature=0.5)
