@@ -71,17 +71,18 @@ class Probe(threading.Thread):
 def start_workers(a, engines, prefix: str):
     from genpool.workers.worker import Worker, WorkerConfig
 
-    workers = []
+    workers, threads = [], []
     for i, eng in enumerate(engines):
         cfg = WorkerConfig(name=f"w{i}", served_models=frozenset({"m"}), prefix_routing=True,
                            heartbeat_s=1.0, max_inflight=a.max_num_seqs, prefix_index_s=1.0)
         w = Worker(eng, connect(a.redis, socket_timeout=30), Keys(prefix), cfg)
-        threading.Thread(target=w.run, daemon=True).start()
+        threads.append(threading.Thread(target=w.run, daemon=True))
+        threads[-1].start()
         workers.append(w)
     while not all(w.started for w in workers):
         time.sleep(0.05)
     time.sleep(2.0)  # every index published once
-    return workers
+    return workers, threads
 
 
 def via_cli(a, prefix: str, data: bytes, _gw) -> None:
@@ -122,7 +123,7 @@ def gateway(a, prefix: str):
 
 def run(a, engines, specs, how, label: str) -> dict:
     prefix = f"bench-batch-{uuid.uuid4().hex[:8]}"
-    workers = start_workers(a, engines, prefix)
+    workers, threads = start_workers(a, engines, prefix)
     proc, url = gateway(a, prefix) if how is via_gateway else (None, None)
     probe = Probe(a.redis, prefix)
     before, t0 = totals(engines), time.perf_counter()
@@ -134,6 +135,8 @@ def run(a, engines, specs, how, label: str) -> dict:
     after = totals(engines)
     for w in workers:
         w.stop(drain_timeout_s=5.0)
+    for t in threads:  # ended before the keys go: a running worker would make its lanes again
+        t.join(60)
     if proc is not None:
         proc.terminate()
         proc.wait(30)

@@ -267,8 +267,9 @@ class BatchDriver:
         ids = await write_results(self.r, self.keys, self.files, view)
         leave = {"completed": ("finalizing",), "cancelled": ("cancelling",),
                  "expired": ("validating", "in_progress")}[final]
-        await self.move(bid, leave, final, f"{final}_at", **ids)
-        await self.retire(bid, True)
+        if await self.move(bid, leave, final, f"{final}_at", **ids):
+            await self.retire(bid, True)
+        # else a cancel came first: the next pass ends the batch as cancelled (same files' ids)
 
     async def retire(self, bid: str, ended: bool) -> None:
         """The batch is over (`ended`: it exists and reached its final state): no driver looks
