@@ -162,3 +162,22 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+
+# --- used by workers/usage.py, after a result landed ---
+# Fair pull charged a job its estimated cost when it was read (the entry's `cost`); once its
+# result is in, the difference to what it really used (prompt + generated tokens) goes back to
+# its tenant's credit, so the turns are measured in tokens served. Only while the tenant is
+# still backlogged (in the active set; the lane stream's own `default` while the ring has
+# anyone): a tenant that left has no credit to correct. KEYS[1] the lane's deficit hash,
+# KEYS[2] its active set, KEYS[3] its ring; ARGV: member (tenant or `default`), tokens to give
+# back (negative: more debt), state TTL. Returns 1 when applied.
+FAIR_SETTLE_LUA = """
+if ARGV[1] == 'default' then
+  if redis.call('LLEN', KEYS[3]) == 0 then return 0 end
+elseif redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 then
+  return 0
+end
+redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""

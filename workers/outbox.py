@@ -38,7 +38,7 @@ from genpool.workers.job import Entry, Fence, Job
 from genpool.workers.lease import FENCE, fence_call
 from genpool.workers.observe import Observers
 from genpool.workers.streams import WritesRefused, refused
-from genpool.workers.usage import UsageCount, count_after, queue_final
+from genpool.workers.usage import UsageCount, count_after, queue_final, settle_after
 
 log = logging.getLogger("genpool.worker")
 
@@ -211,6 +211,8 @@ class Outbox:
             again += self._acknowledge(r, [op for op in earned if op.entry is not None])
         if released:
             self._hand_over(r, released)
+        if counts:  # fair pull's turns: what each result really used (workers/usage.py)
+            settle_after(r, self.keys, counts)
         return lost, again
 
     def _hand_over(self, r, ops: list[Write]) -> None:

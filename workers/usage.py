@@ -13,10 +13,23 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import redis
+
 from genpool.schemas import Keys, ResultEvent
-from genpool.schemas.tenants import USAGE_BUCKET_S, USAGE_TTL_S, TenantKeys
-from genpool.workers.job import Job
+from genpool.schemas.scripting import Script, pipelined
+from genpool.schemas.tenant_scripts import FAIR_SETTLE_LUA
+from genpool.schemas.tenants import (
+    DEFAULT_TENANT,
+    FAIR_STATE_TTL_S,
+    SUB_STREAM_SEP,
+    USAGE_BUCKET_S,
+    USAGE_TTL_S,
+    TenantKeys,
+)
+from genpool.workers.job import Job, _b
 from genpool.workers.lease import FENCE
+
+FAIR_SETTLE = Script(FAIR_SETTLE_LUA)
 
 
 @dataclass(frozen=True)
@@ -25,13 +38,17 @@ class UsageCount:
     prompt: int
     completion: int
     hour: int  # epoch seconds // USAGE_BUCKET_S, when the result was made
+    stream: str = ""  # the lane stream or sub-stream its entry was read from
+    charged: Optional[int] = None  # what fair pull charged for it (the entry's `cost`)
 
     @classmethod
     def of(cls, job: Job, ev: ResultEvent) -> Optional["UsageCount"]:
         if job.req is None:
             return None
+        cost = job.entry.fields.get(b"cost", job.entry.fields.get("cost"))
+        charged = int(cost) if cost is not None and _b(cost).isdigit() else None
         return cls(job.req.tenant, ev.usage.prompt_tokens, ev.usage.completion_tokens,
-                   int(time.time()) // USAGE_BUCKET_S)
+                   int(time.time()) // USAGE_BUCKET_S, job.entry.stream, charged)
 
     def bucket(self, keys: Keys) -> str:
         return TenantKeys(keys).usage(self.hour)
@@ -43,6 +60,28 @@ def queue_final(pipe, keys: Keys, job_id: str, token: str, head: list, events: l
     FENCE.queue(pipe, [keys.job(job_id), keys.events(job_id), usage.bucket(keys)],
                 [token, "final+usage", *head, usage.tenant, usage.prompt, usage.completion,
                  USAGE_TTL_S, *events])
+
+
+def settle_after(r, keys: Keys, counts: list[UsageCount]) -> None:
+    """Give each landed result's tenant back what fair pull over-charged it (FAIR_SETTLE_LUA),
+    in one pipeline; a failure only leaves the estimate standing."""
+    t = TenantKeys(keys)
+    calls = []
+    for u in counts:
+        if u.charged is None:
+            continue
+        sub = SUB_STREAM_SEP + u.tenant
+        lane, member = ((u.stream[:-len(sub)], u.tenant) if u.stream.endswith(sub)
+                        else (u.stream, DEFAULT_TENANT))
+        ring, active, _, deficit = t.fair(lane)
+        calls.append(([deficit, active, ring],
+                      [member, u.charged - u.prompt - u.completion, FAIR_STATE_TTL_S]))
+    if not calls:
+        return
+    try:
+        pipelined(r, calls, lambda pipe, c: FAIR_SETTLE.queue(pipe, *c), [FAIR_SETTLE])
+    except redis.RedisError:  # the results and acks are in: fairness keeps the estimates
+        pass
 
 
 def count_after(r, keys: Keys, counts: list[UsageCount]) -> None:

@@ -149,3 +149,27 @@ def test_workers_share_one_fair_order(pool):
         got += read(pool, w1 if i % 2 else w2, 6)
     t = tokens(got)
     assert abs(t["a"] - t["b"]) <= FAIR_QUANTUM + COST, t
+
+
+def test_turns_are_settled_in_the_tokens_results_really_used(pool):
+    """a's jobs are estimated at 1,000 tokens (max_tokens 999) but stop after 100, b's are
+    estimated right at 100: once each result gives back what it did not use
+    (workers/usage.py settle_after), both are served alike."""
+    from genpool.workers.streams import entries_from as parse
+    from genpool.workers.usage import UsageCount, settle_after
+
+    submit(pool, "a", 700, cost=1000)
+    submit(pool, "b", 700, cost=COST)
+    fair, served = FairPull("w1"), {"a": 0, "b": 0}
+    for step in range(150):
+        if step == 75:  # the credit given back builds up over the first turns: count after
+            served = {"a": 0, "b": 0}
+        reply = pipelined(pool.redis, [0], lambda pipe, shard: fair.queue_read(
+            pipe, pool.keys, shard, 8, 8), [FAIR_READ], raise_errors=True)[0]
+        counts = []
+        for e in parse(reply, pool.keys):
+            tenant = parse_request(e.fields["job"]).tenant
+            served[tenant] += 1
+            counts.append(UsageCount(tenant, 1, 99, 0, e.stream, int(e.fields["cost"])))
+        settle_after(pool.redis, pool.keys, counts)
+    assert abs(served["a"] - served["b"]) <= 0.2 * (served["a"] + served["b"]), served
