@@ -19,6 +19,7 @@ import redis
 
 from genpool.schemas import Keys
 from genpool.schemas.keys import FINISHED_STATES, LANES
+from genpool.schemas.tenants import known_sub_streams, queue_known
 
 SCAN_MAX = 10_000  # entries read per lane stream, and finished jobs collected by one listing
 IN_LANES = ("queued", "running", "cancelled")
@@ -76,12 +77,21 @@ def _order(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def _streams(r, keys: Keys, lane: str) -> list[str]:
+    """The lane's streams: one per shard, and each tenant's sub-stream of them (fair pull)."""
+    pipe = r.pipeline(transaction=False)
+    queue_known(pipe, keys)
+    subs = known_sub_streams(keys, pipe.execute(raise_on_error=False))
+    return [*(keys.jobs(lane, shard) for shard in range(keys.lane_shards)),
+            *(s for s in subs if keys.lane_of_stream(s) == lane)]
+
+
 def lane_rows(r, keys: Keys, lanes: Iterable[str] = LANES) -> list[dict]:
     """Every job in the lanes (lane by lane, oldest entry first) with its state."""
     rows, now = [], time.time()
     for lane in lanes:
-        entries = sorted((e for shard in range(keys.lane_shards)
-                          for e in _entries(r, keys.jobs(lane, shard))), key=lambda e: _order(e[0]))
+        entries = sorted((e for stream in _streams(r, keys, lane) for e in _entries(r, stream)),
+                         key=lambda e: _order(e[0]))
         ids = [job_id for _, job_id in entries]
         rows += [_row(i, h, lane, now) for i, h in zip(ids, _hashes(r, keys, ids))]
     return rows
@@ -125,8 +135,7 @@ def cancelled_unread(r, keys: Keys, lanes: Iterable[str]) -> dict[str, int]:
     the group's last delivered id (those a worker has read are in `pending`)."""
     out = {lane: 0 for lane in LANES}
     for lane in lanes:
-        for shard in range(keys.lane_shards):
-            stream = keys.jobs(lane, shard)
+        for stream in _streams(r, keys, lane):
             ids = [job_id for _, job_id in _entries(r, stream, _after_delivered(r, keys, stream))]
             out[lane] += sum(shown_state(h) == "cancelled" for h in _hashes(r, keys, ids))
     return out

@@ -28,3 +28,18 @@ def test_the_gateways_queue_depth_limit_counts_tenants_jobs(redis_url):
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                            json={"model": "fake", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+
+
+def test_jobs_list_shows_the_tenants_queued_jobs(redis_url):
+    from genpool.producer.listing import list_jobs
+    from genpool.schemas.connection import connect
+
+    with client_env(redis_url, "fairls") as (url, prefix, c):
+        c.submit("plain", job_id="p1")
+        Client(url, prefix, tenant="acme").submit("x", job_id="t1", priority=1)
+        c.cancel("t1")
+        raw = connect(url, decode_responses=False)
+        rows = {row["id"]: (row["lane"], row["state"]) for row in list_jobs(raw, c.lane_keys())}
+        raw.close()
+        assert rows == {"p1": ("normal", "queued"), "t1": ("low", "cancelled")}
+        assert c.status()["cancelled"]["low"] == 1
