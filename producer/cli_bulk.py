@@ -37,8 +37,10 @@ def register_batch(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--remote", default=None, metavar="URL",
                    help="run the file server-side, through this gateway's Batch API (e.g. "
-                        "http://127.0.0.1:8000), and follow it; a rerun follows the same batch")
-    p.add_argument("--api-key", default=None, help="the gateway's bearer key (with --remote)")
+                        "http://127.0.0.1:8000), and follow it; a rerun follows the same batch "
+                        "(default: none: run it from here)")
+    p.add_argument("--api-key", default=None,
+                   help="the gateway's bearer key, with --remote (default: none: no key sent)")
     add_connection_args(p)
     p.set_defaults(func=cmd_batch)
 
@@ -146,7 +148,7 @@ def _batch_args(p) -> None:
                         "feed the bulk lane earliest deadline first)")
     p.add_argument("--batch-webhook", default=None, metavar="URL",
                    help="POST a signed event (OpenAI's shape) here when a batch ends; the key is "
-                        "$GENPOOL_WEBHOOK_SECRET")
+                        "$GENPOOL_WEBHOOK_SECRET (default: none: no webhooks)")
     p.add_argument("--batch-webhook-tries", type=int, default=8, metavar="N",
                    help="tries before an event is dead-lettered")
     p.add_argument("--batch-webhook-backoff", type=float, default=1.0, metavar="SECONDS",
