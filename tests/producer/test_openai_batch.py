@@ -206,3 +206,28 @@ def test_list_and_pagination(pool):
         c.files.retrieve(fid)
     with pytest.raises(openai.BadRequestError):
         c.batches.list(limit=1000)
+
+
+def test_a_batch_on_a_redis_cluster(cluster_url, tmp_path):
+    """The same lifecycle with every key on a Redis Cluster: each script touches one batch's
+    slot, listings live in the prefix's slot."""
+    prefix = new_prefix("obatchc")
+    worker = fake_worker(cluster_url, prefix, tmp_path, "cw")
+    gw = Gateway(cluster_url, prefix, tmp_path, "c", "--batch-window", "600")
+    try:
+        gw.start()
+        wait_for(lambda: workers_alive(cluster_url, prefix), 60, what="worker up")
+        c = gw.client()
+        lines = [line(f"c{i}", f"cluster {i}") for i in range(30)]
+        lines[4]["body"]["temperature"] = "hot"
+        done = wait_done(c, c.batches.create(input_file_id=upload(c, lines).id,
+                                             endpoint="/v1/completions",
+                                             completion_window="24h").id)
+        assert done.status == "completed"
+        out, err = read_file(c, done.output_file_id), read_file(c, done.error_file_id)
+        assert len(out) == 29 and [x["custom_id"] for x in err] == ["c4"]
+        assert [b.id for b in c.batches.list()] == [done.id]
+    finally:
+        gw.stop()
+        stop_proc(worker)
+        drop_prefix(cluster_url, prefix)
