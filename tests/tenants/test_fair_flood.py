@@ -13,3 +13,9 @@ def test_fair_pull_keeps_a_trickle_moving_behind_two_floods(redis_url):
     print(f"fair: {fair}\nunfair: {unfair}")
     assert fair["jain"] >= 0.95, fair
     assert fair["b_p50_s"] * 5 < unfair["b_p50_s"], (fair, unfair)
+
+
+def test_fair_pull_through_sentinel(redis_sentinel):
+    """The same flood, smaller, against a master found through Sentinel."""
+    fair = run(redis_sentinel.url, Flood(fair=True, flood_jobs=40, trickle_jobs=5))
+    assert fair["jain"] >= 0.95, fair

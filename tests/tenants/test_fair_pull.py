@@ -23,15 +23,16 @@ COST = 100
 
 
 @pytest.fixture()
-def pool(redis_url):
+def pool(topology_url):
+    """One server, then a local Cluster (the sub-streams share their lane's slot)."""
     prefix = new_prefix("fair")
-    c = Client(redis_url, prefix)
+    c = Client(topology_url, prefix)
     ensure_groups(c.redis, c.keys)
     try:
         yield c
     finally:
         c.close()
-        drop_prefix(redis_url, prefix)
+        drop_prefix(topology_url, prefix)
 
 
 def submit(c: Client, tenant: str, n: int, cost: int = COST, priority: int = 0) -> None:
