@@ -19,6 +19,7 @@ from genpool.schemas.config import HELP_FMT, add_connection_args
 from genpool.schemas.keys import JOB_ID_RE
 from genpool.schemas.repair import ENTRY_UNBIND_LUA, LANE_REPAIR_LUA
 from genpool.schemas.scripting import Script
+from genpool.schemas.tenants import known_sub_streams, queue_known
 
 AHEAD_S = 60.0  # ids further ahead of the Redis clock than this are poison (a clock step is not)
 LANE_REPAIR, ENTRY_UNBIND = Script(LANE_REPAIR_LUA), Script(ENTRY_UNBIND_LUA)
@@ -57,8 +58,13 @@ def register_lanes(sub) -> None:
 
 
 def lane_states(c, ahead_s: float) -> list[LaneState]:
-    """Every lane stream of every shard, as LANE_REPAIR_LUA finds it (changing nothing)."""
-    return [_run(c, stream, ahead_s, "check") for stream in c.lane_keys().all_jobs()]
+    """Every lane stream of every shard, and every tenant's sub-stream of one (fair pull), as
+    LANE_REPAIR_LUA finds it (changing nothing)."""
+    keys = c.lane_keys()
+    pipe = c.redis.pipeline(transaction=False)
+    queue_known(pipe, keys)
+    subs = known_sub_streams(keys, pipe.execute(raise_on_error=False))
+    return [_run(c, stream, ahead_s, "check") for stream in [*keys.all_jobs(), *subs]]
 
 
 def _run(c, stream: str, ahead_s: float, mode: str) -> LaneState:

@@ -43,3 +43,30 @@ def test_jobs_list_shows_the_tenants_queued_jobs(redis_url):
         raw.close()
         assert rows == {"p1": ("normal", "queued"), "t1": ("low", "cancelled")}
         assert c.status()["cancelled"]["low"] == 1
+
+
+def test_lanes_check_and_repair_cover_a_tenants_sub_stream(redis_url):
+    """A sub-stream whose ids ran out (a raw XADD of the last id) is found and mended like a
+    lane, and the tenant's jobs all run."""
+    import json
+
+    from genpool.producer.cli_lanes import lane_states, repair_lanes
+    from genpool.schemas.tenants import sub_stream
+    from tests.fake_engine import FakeEngine, expected_for_prompt
+    from tests.pool_helpers import worker_thread
+
+    with client_env(redis_url, "fairfix") as (url, prefix, c):
+        t = Client(url, prefix, tenant="acme")
+        first = t.submit("p 0", max_tokens=2)
+        sub = sub_stream(c.keys.jobs("normal"), "acme")
+        c.redis.xadd(sub, {"job": json.dumps({"id": "forged", "prompt": "p forged",
+                                              "max_tokens": 2, "tenant": "acme"})},
+                     id="18446744073709551615-18446744073709551615")
+        assert [s.stream for s in lane_states(c, 60) if s.poisoned] == [sub]
+        repair_lanes(c, 60)
+        assert not any(s.poisoned for s in lane_states(c, 60))
+        late = t.submit("p late", max_tokens=2)
+        with worker_thread(FakeEngine(), url, prefix):
+            for job, prompt in ((first, "p 0"), (late, "p late"), (c.job("forged"), "p forged")):
+                assert job.result(timeout=15).text == expected_for_prompt(prompt, 2)
+        t.close()
