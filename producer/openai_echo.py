@@ -70,6 +70,8 @@ def text(prompt: Optional[str], scores: Optional[PromptScores]) -> str:
         return prompt
     if scores is None:
         return ""
+    if scores.text is not None:  # decoded whole by the worker
+        return scores.text
     return "".join(scores.token_texts.get(str(t), "") for t in scores.token_ids)
 
 

@@ -55,6 +55,9 @@ class PromptScores(BaseModel):
     token_ids: list[int]
     logprobs: list[Optional[dict[str, float]]]
     token_texts: dict[str, str] = Field(default_factory=dict)
+    # a token-id prompt decoded whole (the gateway's echo): joining token_texts would turn a
+    # character split over byte-level tokens into U+FFFDs
+    text: Optional[str] = None
 
 
 class RestartEvent(_Wire):

@@ -61,11 +61,13 @@ class JobTable:
             out[k] = text
         return out
 
-    def prompt_scores(self, ids: list[int], lps: list) -> PromptScores:
-        """The engine's prompt logprobs in the wire's shape, with the text of every id."""
+    def prompt_scores(self, ids: list[int], lps: list, prompt: Optional[str]) -> PromptScores:
+        """The engine's prompt logprobs in the wire's shape, with the text of every id, and the
+        prompt's text when it came as token ids (`prompt` None)."""
         maps = [None if d is None else {str(k): float(v) for k, v in d.items()} for d in lps]
         texts = self.token_texts([d for d in maps if d] + [{str(t): 0.0 for t in ids[:1]}])
-        return PromptScores(token_ids=list(ids), logprobs=maps, token_texts=texts)
+        text = self.engine.tokenizer.decode(list(ids)) if prompt is None else None
+        return PromptScores(token_ids=list(ids), logprobs=maps, token_texts=texts, text=text)
 
     def __len__(self) -> int:
         return len(self.running)

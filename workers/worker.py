@@ -274,7 +274,8 @@ class Worker:
                              engine_ended=True)
             return
         if out.prompt_logprobs is not None:
-            job.prompt_scores = self.jobs.prompt_scores(out.prompt_token_ids, out.prompt_logprobs)
+            job.prompt_scores = self.jobs.prompt_scores(out.prompt_token_ids, out.prompt_logprobs,
+                                                     out.prompt)
         for c in out.outputs:
             ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
             if ev is not None:

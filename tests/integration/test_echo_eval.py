@@ -90,6 +90,24 @@ def test_echo_scores_the_prompt_like_hf(pool, hf):
         assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 0
 
 
+def test_echo_of_token_ids_decodes_multibyte_characters_whole(pool, hf):
+    """A token-id prompt's echo is the prompt decoded as a whole: an emoji or a CJK character
+    split over byte-level tokens is one character, not each token's U+FFFD (the per-token texts
+    the logprobs carry)."""
+    tok, _ = hf
+    text = "Café 😀 東京 ok"
+    ids = tok(text)["input_ids"]
+    assert "\ufffd" in "".join(tok.decode([t]) for t in ids)  # split characters, as the test needs
+    c = pool["client"]
+    for logprobs in (None, 1):
+        kw = dict(model="smol", prompt=ids, echo=True, logprobs=logprobs, temperature=0)
+        whole = c.completions.create(**kw, max_tokens=0).choices[0]
+        assert whole.text == text
+        chunks = [ch.choices[0] for ch in c.completions.create(**kw, max_tokens=2, stream=True)
+                  if ch.choices]
+        assert "".join(ch.text for ch in chunks).startswith(text)
+
+
 def test_echo_with_generation_streamed_equals_whole(pool, hf):
     tok, _ = hf
     c = pool["client"]
