@@ -115,6 +115,9 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
         kw["logprobs"] = top
     kw.setdefault("max_tokens", DEFAULT_MAX_TOKENS[kind])
     echo = kind == "completion" and _echo(openai_echo.apply, body, kw, top)
+    if kw["max_tokens"] == 0 and "prompt_logprobs" not in kw:  # chat: nothing to score either
+        raise APIError(400, "max_tokens must be at least 1", param="max_tokens",
+                       code="invalid_value")
     kw.setdefault("priority", priority)
     if default_model and "model" not in kw:
         kw["model"] = default_model
