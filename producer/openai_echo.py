@@ -89,6 +89,16 @@ def logprobs(scores: Optional[PromptScores], k: Optional[int]) -> Optional[dict]
     return out
 
 
+def vllm_prompt_logprobs(scores: Optional[PromptScores]) -> Optional[list]:
+    """vLLM's `prompt_logprobs` field of a completions choice (its extension, asked without
+    echo): null for the first token, then {token_id: {logprob, decoded_token}} per position."""
+    if scores is None:
+        return None
+    texts = scores.token_texts
+    return [None if d is None else {k: {"logprob": v, "decoded_token": texts.get(k, "")}
+                                    for k, v in d.items()} for d in scores.logprobs]
+
+
 def join(head: Optional[dict], tail: Optional[dict], head_len: int) -> Optional[dict]:
     """The prompt's logprobs, then the completion's (its text offsets moved past the prompt)."""
     if head is None or tail is None:

@@ -276,6 +276,8 @@ def completion_body(req: OpenAIRequest, res: JobResult, created: Optional[int] =
                                               text, lp)
             body["choices"].append({"index": c.index, "text": text, "logprobs": lp,
                                     "finish_reason": _finish(c.finish_reason)})
+            if not req.echo and "prompt_logprobs" in req.kwargs:  # vLLM's extension, asked
+                body["choices"][-1]["prompt_logprobs"] = openai_echo.vllm_prompt_logprobs(res.prompt)
     return body
 
 

@@ -138,6 +138,25 @@ def test_prompt_logprobs_through_the_python_client(pool, hf):
     assert res.prompt.logprobs[0] is None and got == pytest.approx(ref_logprobs(ids), abs=1e-3)
 
 
+def test_vllm_prompt_logprobs_without_echo_come_back(pool, hf):
+    """vLLM's `prompt_logprobs` extension (no echo): the job scores the prompt and each choice
+    carries the scores in vLLM's shape (null first, then {id: {logprob, decoded_token}})."""
+    tok, ref_logprobs = hf
+    ids = tok(TEXT)["input_ids"]
+    r = httpx.post(f"{pool['base']}/v1/completions", timeout=120, json={
+        "model": "smol", "prompt": TEXT, "prompt_logprobs": 2, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert not ch["text"].startswith(TEXT)  # no echo
+    got = ch["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    assert all(2 <= len(d) <= 3 for d in got[1:])
+    assert [d[str(t)]["logprob"] for d, t in zip(got[1:], ids[1:])] == pytest.approx(
+        ref_logprobs(ids), abs=1e-3)
+    assert [d[str(t)]["decoded_token"] for d, t in zip(got[1:], ids[1:])] == [
+        tok.decode([t]) for t in ids[1:]]
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": ["a", "b"], "echo": True}, "prompt"),
