@@ -79,11 +79,11 @@ def _err(data) -> str:
 
 def test_precise_messages():
     assert _err({"prompt": "x", "max_tokens": -3}) == \
-        "max_tokens: Input should be greater than or equal to 1 (got -3)"
+        "max_tokens: Input should be greater than or equal to 0 (got -3)"
     assert "unknown field 'colour'" in _err({"prompt": "x", "colour": "red"})
     assert "exactly one of 'prompt', 'messages' or 'prompt_token_ids' is required (got none)" in _err({"id": "a"})
     both = {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}
-    assert "(got both)" in _err(both)
+    assert "(got prompt and messages)" in _err(both)
     assert "min_tokens (9) must be <= max_tokens (4)" in _err({"prompt": "x", "max_tokens": 4,
                                                                  "min_tokens": 9})
     assert "temperature: Input should be a valid number (got 'hot')" in \
