@@ -109,6 +109,7 @@ async def drive(a, prefix: str, fleet: subprocess.Popen, pids: tuple[list, list]
     """Keep the queue topped up; read every `a.sample_every`-th job's events; time tokens."""
     from genpool.producer.aio import AsyncClient
     from genpool.schemas.connection import connect_async, lane_depths, queue_lane_depths
+    from genpool.schemas.tenants import known_sub_streams, queue_known
 
     client = AsyncClient(a.url, prefix, redis_client=connect_async(
         a.url, max_connections=2000, decode_responses=True))
@@ -130,12 +131,19 @@ async def drive(a, prefix: str, fleet: subprocess.Popen, pids: tuple[list, list]
             cpu0 = ([cpu_seconds(p) for p in pids], time.monotonic())
         keys = await client.lane_keys()
         pipe = client.redis.pipeline(transaction=False)
-        queue_lane_depths(pipe, keys)
-        queued = sum(q for q, _ in lane_depths(await pipe.execute(raise_on_error=False)).values())
+        queue_known(pipe, keys)  # tenants' sub-streams (fair pull) hold queued jobs too
+        subs = known_sub_streams(keys, await pipe.execute(raise_on_error=False))
+        pipe = client.redis.pipeline(transaction=False)
+        queue_lane_depths(pipe, keys, subs)
+        queued = sum(q for q, _ in lane_depths(await pipe.execute(raise_on_error=False),
+                                               [keys.lane_of_stream(s) for s in subs]).values())
         want = max(0, target // 2 + 1 - queued)
         if want:
             specs = [{"prompt": "s", "max_tokens": a.max_tokens, "model": "sim",
                       "job_id": f"{prefix}-{n + i}"} for i in range(want)]
+            if a.tenant_count:  # fair pull: each tenant its own sub-stream, round robin
+                for i, spec in enumerate(specs):
+                    spec["tenant"] = f"t{(n + i) % a.tenant_count}"
             for k, job in enumerate(await client.submit_many(specs)):
                 if (n + k) % a.sample_every == 0:
                     task = asyncio.ensure_future(read(job))
@@ -166,12 +174,13 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / CLK
 
 
-def run_level(a, url: str, server_pids: tuple[list, list], workers: int, max_tokens: int
-              ) -> dict:
-    """server_pids: (every data server, the masters among them)."""
+def run_level(a, url: str, server_pids: tuple[list, list], workers: int, max_tokens: int,
+              tenants: int = 0) -> dict:
+    """server_pids: (every data server, the masters among them). tenants: jobs spread over
+    this many tenants (0: all the default tenant's, on the lane streams themselves)."""
     prefix = f"fleet-{uuid.uuid4().hex[:6]}"
     lvl = argparse.Namespace(**{**vars(a), "url": url, "workers": workers,
-                                "max_tokens": max_tokens})
+                                "max_tokens": max_tokens, "tenant_count": tenants})
     cmd = [sys.executable, __file__, "--role", "fleet", "--url", url, "--prefix", prefix,
            "--workers", str(workers), "--seqs", str(a.seqs), "--step-hz", str(a.step_hz),
            "--seconds", str(a.seconds), "--warmup", str(a.warmup),
@@ -186,7 +195,7 @@ def run_level(a, url: str, server_pids: tuple[list, list], workers: int, max_tok
     finally:
         out, _ = fleet.communicate(timeout=120)
     fleet_stats = json.loads(out.strip().splitlines()[-1])
-    row = {"workers": workers, "max_tokens": max_tokens,
+    row = {"workers": workers, "max_tokens": max_tokens, "tenants": tenants,
            "offered_events_per_s": workers * a.seqs * a.step_hz, **fleet_stats, **result}
     print(json.dumps(row), flush=True)
     _drop(url, prefix)
@@ -237,6 +246,9 @@ def parse_args():
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--sample-every", type=int, default=10, help="read every n-th job's stream")
     ap.add_argument("--lane-shards", type=int, default=1)
+    ap.add_argument("--tenants", default="0", help="tenant counts to run each level with "
+                    "(comma list; 0: the default tenant only, N: jobs spread over N tenants, "
+                    "each with its sub-stream: fair pull)")
     ap.add_argument("--url", default=None)
     ap.add_argument("--prefix", default=None)
     ap.add_argument("--json", default=None)
@@ -256,8 +268,8 @@ def main() -> int:
         if a.short_jobs:
             levels.append((sizes[len(sizes) // 2], a.short_jobs))
         try:
-            for w, tokens in levels:
-                rows.append({"topology": topo, **run_level(a, url, pids, w, tokens)})
+            for (w, tokens), tenants in ((lv, int(t)) for lv in levels for t in a.tenants.split(",")):
+                rows.append({"topology": topo, **run_level(a, url, pids, w, tokens, tenants)})
                 if a.json:  # after every level: a later failure keeps what was measured
                     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
                     Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
