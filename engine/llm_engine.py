@@ -294,6 +294,8 @@ class LLMEngine:
                 sibling = self._new_seq(req, i)
                 sibling.status, sibling.finish_reason = SequenceStatus.FINISHED, "length"
             seq.pending_forks = 0
+            if not req.finished:  # resumed: its other sequences still compute their prompts
+                continue
             req.metrics.first_token_time = req.metrics.finished_time = time.monotonic()
             del self.requests[seq.request_id]
             self._counters["requests_finished"] += 1

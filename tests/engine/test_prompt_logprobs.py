@@ -81,6 +81,27 @@ def test_n_empty_completions_and_one_token_prompt(tiny_llama_path):
     assert one.prompt_logprobs == [None] and len(out.prompt_logprobs) == 9
 
 
+def test_resumed_n_completions_with_max_tokens_zero_end_the_request(tiny_llama_path):
+    """A resume builds all n sequences (no forks): max_tokens=0 ends the request once every one
+    has computed its prompt, completion 0 having scored it; none stays running (it would hold
+    its blocks and be scheduled with no token in every later step)."""
+    from genpool.engine.resume import ResumeState
+
+    ids = _prompt(40, seed=3)
+    with LLM(str(tiny_llama_path), num_kv_blocks=64, max_num_batched_tokens=16) as llm:
+        eng = llm.llm_engine
+        sp = SamplingParams(n=2, max_tokens=0, prompt_logprobs=1, temperature=0)
+        eng.add_request("a", {"prompt_token_ids": ids}, sp, resume=ResumeState([[], []]))
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        assert outs[-1].finished and [c.finish_reason for c in outs[-1].outputs] == ["length"] * 2
+        _check(outs[-1], ids, _hf_logprobs(tiny_llama_path, ids), 1)
+        assert not eng.scheduler.running and eng.block_manager.num_used_blocks == 0
+        after = llm.generate({"prompt_token_ids": ids[:5]}, SamplingParams(max_tokens=3))[0]
+        assert after.error is None and len(after.outputs[0].token_ids) == 3
+
+
 @pytest.mark.checkpoint
 def test_smollm2_prompt_logprobs_match_hf(smollm2_path):
     with LLM(str(smollm2_path), dtype="float32", num_kv_blocks=64) as llm:
