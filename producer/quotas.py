@@ -28,7 +28,8 @@ _WHAT = {"requests": "requests per minute", "tokens": "tokens per minute"}
 def estimate_tokens(req: JobRequest) -> int:
     """What a request counts against its tokens per minute."""
     chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
-    return math.ceil(chars / CHARS_PER_TOKEN) + req.max_tokens * req.n
+    ids = len(req.prompt_token_ids or [])  # a token-id prompt counts what it is
+    return math.ceil(chars / CHARS_PER_TOKEN) + ids + req.max_tokens * req.n
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def estimate_cost(kwargs: dict[str, Any]) -> int:
     """producer/quotas.estimate_tokens for a parsed OpenAI request's submit arguments."""
     text = kwargs.get("prompt") or ""
     chars = len(text) + sum(len(m["content"]) for m in kwargs.get("messages") or [])
-    return math.ceil(chars / CHARS_PER_TOKEN) + kwargs["max_tokens"] * kwargs.get("n", 1)
+    ids = len(kwargs.get("prompt_token_ids") or [])  # a token-id prompt counts what it is
+    return math.ceil(chars / CHARS_PER_TOKEN) + ids + kwargs["max_tokens"] * kwargs.get("n", 1)
 
 
 def _unauthorized(message: str) -> APIError:

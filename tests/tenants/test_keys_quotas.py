@@ -13,7 +13,8 @@ import pytest
 
 from genpool.producer import Client, RateLimited
 from genpool.producer.keys_store import KeyStore
-from genpool.schemas import Keys
+from genpool.producer.quotas import estimate_tokens
+from genpool.schemas import JobRequest, Keys
 from genpool.schemas.connection import connect
 from genpool.schemas.tenant_records import TenantLimits
 from genpool.schemas.tenants import KEY_CACHE_S, RATE_WINDOW_S
@@ -177,6 +178,21 @@ def test_tokens_per_minute_count_the_prompt_and_max_tokens(gateway):
     small = post(base, secret, max_tokens=10)  # 84 + 12 <= 100: still fits this minute
     assert small.status_code == 200, small.text
     assert small.headers["x-ratelimit-remaining-tokens"] == "4"
+
+
+def test_tokens_per_minute_count_token_id_prompts(gateway):
+    """A token-id prompt (echo scoring, lm-eval) counts its ids: 60 ids + 2 = 62 fits a
+    100-token minute, a second one does not (it was counted as 2 tokens: no limit held)."""
+    base, ks, r, _ = gateway
+    secret, _ = ks.create("acme", [], -1)
+    ks.set_limits("acme", TenantLimits(tpm=100))
+    fresh_window(r)
+    ids = list(range(10, 70))
+    got = [post(base, secret, prompt=ids, max_tokens=2).status_code for _ in range(2)]
+    assert got[0] != 429 and got[1] == 429, got
+    # the Client's own charge (producer/quotas.py) counts them the same way
+    req = JobRequest(prompt_token_ids=ids, max_tokens=0, prompt_logprobs=0)
+    assert estimate_tokens(req) == 60
 
 
 def test_a_tenant_client_raises_a_clear_error_over_its_rate(redis_url):
