@@ -36,7 +36,9 @@ SCAN = 4  # a feed looks at this many times its room for lines that may go now
 
 
 def prefix_key(kwargs: dict) -> str:
-    text = kwargs.get("prompt") or json.dumps(kwargs.get("messages"), ensure_ascii=False)
+    # a token-id prompt keys by its ids (all such lines had the key of None otherwise)
+    text = kwargs.get("prompt") or json.dumps(kwargs.get("messages") or kwargs.get("prompt_token_ids"),
+                                              ensure_ascii=False)
     return hashlib.sha1(text[:PREFIX_CHARS].encode()).hexdigest()
 
 

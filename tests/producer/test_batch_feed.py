@@ -90,3 +90,25 @@ def test_a_prefix_runs_its_first_line_then_the_rest(pool):
                                                          ended) - 0.05, (d, q)
     finally:
         r.close()
+
+
+def test_token_id_prompts_are_prefixes_of_their_own(pool):
+    """Lines with token-id prompts (lm-eval batches) group by their ids: a line whose ids share
+    nothing with a long-running first line is not held behind it (all of them had one key)."""
+    late, _, url, prefix = pool
+    lines = [line("lead", "", max_tokens=200)] + [line(f"o{i}", "", max_tokens=5)
+                                                  for i in range(3)]
+    for i, ln in enumerate(lines):
+        ln["body"]["prompt"] = [100 * (i + 1) + k for k in range(12)]
+    c, b = create(late, lines)
+    done = wait_done(c, b.id, 120)
+    assert done.status == "completed" and len(read_file(c, done.output_file_id)) == 4
+    r, keys = connect(url, decode_responses=True), Keys(prefix)
+    try:
+        lead = line_job_id(b.id, "lead")
+        first_token = at(r.xrange(keys.events(lead), count=1))
+        for i in range(3):
+            sent = float(r.hget(keys.job(line_job_id(b.id, f"o{i}")), "submitted_at"))
+            assert sent < first_token + PREFIX_GATE_S - 0.05, i
+    finally:
+        r.close()
