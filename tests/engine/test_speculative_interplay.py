@@ -198,3 +198,29 @@ def test_random_batches_equal_decoding_without_drafts(tiny_llama_path):
         accepted += acc
         assert spec == plain, (engine, [(k, plain[k], spec.get(k)) for k in plain if plain[k] != spec.get(k)])
     assert accepted > 0
+
+
+def test_jobs_asking_for_logprobs_never_draft(tiny_llama_path):
+    with LLM(str(tiny_llama_path), num_kv_blocks=64, speculative_config=NGRAM) as llm:
+        out = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY.clone(logprobs=1))[0]
+        assert llm.llm_engine.speculator.drafted == 0
+    assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids) == 50
+
+
+@pytest.mark.checkpoint
+def test_smollm2_multibyte_text_and_stop_strings_equal_without_drafts(smollm2_path):
+    """Characters split over byte-level tokens, cut by max_tokens or not, and stop strings:
+    the same text, tokens, finish and stop reasons."""
+    doc = "Menu: 東京ラーメン 😀 ¥980, 大阪たこ焼き 🐙 ¥650, 京都抹茶 🍵 ¥420."
+    msgs = [{"role": "user", "content": f"Repeat this menu exactly, three times:\n{doc}"}]
+    base = SamplingParams(temperature=0, max_tokens=60)
+    variants = [base, base.clone(stop=["ン, ラ"], skip_special_tokens=False),
+                base.clone(stop=["メン, ラー"], include_stop_str_in_output=True)]
+    res = []
+    for spec in (None, NGRAM):
+        with LLM(str(smollm2_path), num_kv_blocks=64, speculative_config=spec) as llm:
+            outs = [llm.chat(msgs, p)[0].outputs[0] for p in variants]
+            res.append([(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in outs])
+            accepted = llm.llm_engine.speculator.accepted
+    assert res[0] == res[1] and accepted > 0
+    assert [r[2] for r in res[0]] == ["length", "stop", "stop"]
