@@ -129,6 +129,9 @@ def build_sequences(req: Request, resume: ResumeState, scheduler: Scheduler,
             seq.logprobs = list(resume.logprobs[i]) if resume.logprobs else [None] * len(tokens)
         replay(seq, tokens, scheduler, new_detokenizer(tokenizer, seq))
         seqs.append(seq)
+    live = next((s for s in seqs if not s.is_finished), None)
+    if req.params.prompt_logprobs is not None and seqs[0].is_finished and live is not None:
+        seqs[0].scores_prompt, live.scores_prompt = False, True  # completion 0 runs no more
     return seqs
 
 

@@ -49,6 +49,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         # prompt_logprobs: positions 0..prompt_scored-1 have scored the token after them
         self.prompt_scored = 0
+        self.scores_prompt = index == 0  # the sample that scores it (a resume may pick another)
         # speculative tokens this step verifies (engine/speculative.py); [] after every step
         self.draft: list[int] = []
         self.first_token_time: float | None = None
@@ -82,10 +83,11 @@ class Sequence:
 
     def prompt_score_rows(self, n: int) -> range:
         """Positions of this step's chunk (n tokens from num_computed_tokens) whose rows score the
-        prompt token after them (params.prompt_logprobs; engine/prompt_logprobs.py). Completion
-        0 alone scores (its siblings fork after the prompt or, resumed, compute it again), and
-        what it scored before a preemption is not scored twice."""
-        if self.index != 0 or self.params is None or self.params.prompt_logprobs is None:
+        prompt token after them (params.prompt_logprobs; engine/prompt_logprobs.py). One sample
+        scores (completion 0: its siblings fork after the prompt or, resumed, compute it again;
+        engine/resume.py picks another when completion 0 had ended), and what it scored before
+        a preemption is not scored twice."""
+        if not self.scores_prompt or self.params is None or self.params.prompt_logprobs is None:
             return range(0)
         lo = max(self.num_computed_tokens, self.prompt_scored)
         return range(lo, max(lo, min(self.num_computed_tokens + n, self.num_prompt_tokens - 1)))

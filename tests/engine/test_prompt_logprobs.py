@@ -102,6 +102,25 @@ def test_resumed_n_completions_with_max_tokens_zero_end_the_request(tiny_llama_p
         assert after.error is None and len(after.outputs[0].token_ids) == 3
 
 
+def test_a_resume_whose_completion_0_had_ended_still_scores_the_prompt(tiny_llama_path):
+    """Completion 0 finished in the earlier run (it is never scheduled again): the first
+    completion still running scores the prompt instead."""
+    from genpool.engine.resume import ResumeState
+
+    ids = _prompt(20, seed=4)
+    sp = SamplingParams(n=2, max_tokens=4, prompt_logprobs=1, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_llama_path), num_kv_blocks=64) as llm:
+        full = llm.generate({"prompt_token_ids": ids}, sp)[0]
+        done = [c.token_ids for c in full.outputs]
+        eng = llm.llm_engine
+        eng.add_request("a", {"prompt_token_ids": ids}, sp,
+                        resume=ResumeState([done[0], done[1][:2]]))
+        scored = []
+        while eng.has_unfinished_requests():
+            scored += [o for o in eng.step() if o.prompt_logprobs is not None]
+    assert len(scored) == 1 and scored[0].prompt_logprobs == full.prompt_logprobs
+
+
 @pytest.mark.checkpoint
 def test_smollm2_prompt_logprobs_match_hf(smollm2_path):
     with LLM(str(smollm2_path), dtype="float32", num_kv_blocks=64) as llm:
