@@ -40,6 +40,7 @@ from .gateway_io import (
     sse,
     until_disconnect,
 )
+from .gateway_jobs import install_job_routes
 from .liveness import live_workers_async, served_names, serving
 from .openai_batches import BatchOptions, install_batch_api
 from .openai_format import (
@@ -333,6 +334,7 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
     app.state.gateway = gw
     install_error_handlers(app)
     batches = install_batch_api(app, gw, batch)
+    install_job_routes(app, gw)  # /v1/jobs/{id}: a job by id, the caller's tenant's only
 
     @app.get("/v1/models")
     async def list_models(request: Request):
