@@ -23,7 +23,8 @@ def gguf_file(smollm2_path):
 
 def _checks(venv: Venv, outside, url, gguf, home) -> dict:
     assert "genpool: Redis-streams LLM worker pool" in venv.run(venv.bin("genpool"), "--help", cwd=outside)
-    assert "imports ok" in venv.run_py(IMPORTS, "triton", "fastapi", "uvicorn", cwd=outside)  # [worker] only
+    assert "imports ok" in venv.run_py(IMPORTS, "triton", "fastapi", "uvicorn", "httpx",
+                                       cwd=outside)  # [worker] only: the gateway extra is absent
     for name in ("engine", "schemas", "workers", "producer"):  # the decoys still own their names
         out = venv.run_py(f"try:\n import {name}\nexcept ImportError as e:\n print(e)", cwd=outside)
         assert "decoy" in out, out
