@@ -54,9 +54,9 @@ class Line:
     error: Optional[dict] = None  # {"code", "message", "param", "line"} for an invalid line
 
 
-def parse_line(raw: bytes, lineno: int, ident: str, model: Optional[str],
-               priority: int) -> Union[Line, str]:
-    """A Line (valid or invalid), or the reason the line cannot be used at all."""
+def line_object(raw: Union[str, bytes]) -> Union[dict, str]:
+    """A batch input line's JSON object, with its non-empty string custom_id, or why the line
+    is no such object (the client-side runner and the gateway's Files API alike)."""
     try:
         obj = json.loads(raw.strip())
     except (ValueError, UnicodeDecodeError) as e:
@@ -66,6 +66,16 @@ def parse_line(raw: bytes, lineno: int, ident: str, model: Optional[str],
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         return "no custom_id (a non-empty string is required)"
+    return obj
+
+
+def parse_line(raw: bytes, lineno: int, ident: str, model: Optional[str],
+               priority: int) -> Union[Line, str]:
+    """A Line (valid or invalid), or the reason the line cannot be used at all."""
+    obj = line_object(raw)
+    if isinstance(obj, str):
+        return obj
+    cid = obj["custom_id"]
     line = Line(lineno, cid, job_id_for(ident, cid))
     url, body = obj.get("url"), obj.get("body")
     try:

@@ -8,7 +8,6 @@ one bad request becomes one line of the batch's error file instead of failing th
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Optional
@@ -25,6 +24,7 @@ from genpool.schemas.batches import (
     LineError,
 )
 
+from .batch import line_object
 from .openai_format import ENDPOINTS, APIError
 
 FORM_SLACK = 64 << 10  # multipart framing and the purpose field around the file itself
@@ -39,15 +39,10 @@ def visible(owner: str, tenant: str) -> bool:
 
 def line_problem(raw: str, seen: set[str]) -> Optional[str]:
     """Why a batch input line cannot be a request at all (None: it can)."""
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        return f"not valid JSON ({e})"
-    if not isinstance(obj, dict):
-        return "not a JSON object"
-    cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return "no custom_id (a non-empty string is required)"
+    obj = line_object(raw)
+    if isinstance(obj, str):
+        return obj
+    cid = obj["custom_id"]
     if cid in seen:
         return f"custom_id {cid!r} repeats an earlier line"
     seen.add(cid)

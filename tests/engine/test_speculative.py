@@ -11,7 +11,7 @@ from genpool.engine.sampler import Sampler, SampleRow
 from genpool.engine.speculative import propose, verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "disable_by_batch_size": 16}  # correctness, not the default
 
 
 def test_propose_takes_what_followed_the_latest_longest_match():

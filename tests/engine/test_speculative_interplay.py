@@ -11,7 +11,7 @@ from genpool.engine.resume import ResumeState
 from tests.tp_helpers import write_tiny
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "disable_by_batch_size": 16}  # correctness, not the default
 PROMPTS = [[3 + (i * 7 + j * 13) % 50 for j in range(n)] for i, n in enumerate((12, 30, 5, 41))]
 GREEDY = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 

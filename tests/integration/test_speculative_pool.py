@@ -14,7 +14,7 @@ from tests.integration.test_resume_pool import published, stop_string_at, up
 from tests.pool_helpers import drop_prefix, new_prefix, offline, stop_proc, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.checkpoint, pytest.mark.redis]
-SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4")
+SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-max-batch", "16")
 DOC = ("Invoice 4471 was issued on 3 March to Harbor Supplies Ltd for 12 steel brackets at 4.50 "
        "each, 3 oak panels at 27.00 each and one delivery fee of 15.00.")
 
