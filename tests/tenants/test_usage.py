@@ -107,3 +107,36 @@ def test_tenant_metrics_keep_a_bounded_label_set():
                  {"model_name": "fake", "tenant": "other"}) == 70
     assert value("genpool:tenant_request_success_total",
                  {"model_name": "fake", "tenant": "other"}) == 7
+
+
+def test_tenant_metric_labels_go_to_the_top_tenants_by_usage_first(redis_url):
+    """The label set is bounded (the top N tenants plus "other"): at start, the top N by the
+    last day's usage hashes get their labels, whoever the worker happens to see first."""
+    from prometheus_client import CollectorRegistry
+
+    from genpool.workers.integrations.metrics import top_tenants
+    from genpool.workers.integrations.tenant_metrics import TenantCounters
+
+    prefix = new_prefix("toplabels")
+    keys, r = Keys(prefix), connect(redis_url, decode_responses=True)
+    try:
+        hour = int(time.time()) // USAGE_BUCKET_S
+        bucket = TenantKeys(keys).usage(hour)
+        for i in range(6):  # t5 used the most, t0 the least
+            r.hset(bucket, mapping={f"t{i}:prompt": 100 * (i + 1), f"t{i}:completion": 1,
+                                    f"t{i}:jobs": 1})
+        r.expire(bucket, 3600)
+        ranked = top_tenants(redis_url, keys)
+        assert ranked == ["t5", "t4", "t3", "t2", "t1", "t0"]
+        reg = CollectorRegistry()
+        c = TenantCounters("fake", reg, max_labels=2)
+        c.seed(ranked)
+        for t in ("t0", "t1", "t5", "t4", "new"):  # small tenants seen first
+            c.finished(t, 1, 1)
+        labels = {s.labels["tenant"] for m in reg.collect() for s in m.samples
+                  if m.name == "genpool:tenant_prompt_tokens"}
+        assert labels == {"t5", "t4", "other"}
+        assert top_tenants("redis://127.0.0.1:1/0", keys) == []  # no Redis: labels as seen
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)

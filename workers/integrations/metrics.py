@@ -239,10 +239,30 @@ def _gauge(name: str, doc: str, model: Optional[list], value) -> GaugeMetricFami
     return g
 
 
+def top_tenants(url: str, keys, window_s: float = 86400.0) -> list[str]:
+    """Tenants by tokens used over the last `window_s` (the usage hashes), most first; [] when
+    Redis does not answer (labels then go as tenants are seen)."""
+    import redis
+
+    from genpool.producer.usage import read_usage
+    from genpool.schemas.connection import connect
+
+    r = connect(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
+    try:
+        now = time.time()
+        rows = read_usage(r, keys, now - window_s, now)
+    except redis.RedisError:
+        return []
+    finally:
+        r.close()
+    return sorted(rows, key=lambda t: (-rows[t]["total"], t))
+
+
 def attach_metrics(worker, port: int, url: str, addr: str = "127.0.0.1") -> MetricsObserver:
     """Observe `worker` and serve its metrics on `port` (0 = any free port: see .server)."""
     obs = MetricsObserver(worker.model_name)  # one name, as vLLM's label; aliases are not labels
     obs.queue = QueueSource(url, worker.keys)
+    obs.tenants.seed(top_tenants(url, worker.keys))
     obs.server = obs.serve(port, addr)
     worker.observers.append(obs)
     return obs

@@ -1,9 +1,11 @@
 """Per-tenant Prometheus counters (issue 31) with a bounded label set.
 
 A tenant name comes from the job (any caller may pick one through Client(tenant=...)), so it
-cannot be a label as it is: the first MAX_TENANT_LABELS tenants a worker sees get their own
-label, and every later one counts under "other". Counters cannot move between labels, so the
-set is fixed once full; `genpool usage` has every tenant's exact figures.
+cannot be a label as it is: MAX_TENANT_LABELS tenants get their own label and every other one
+counts under "other". The labels go first to the top tenants by the last day's usage when the
+worker starts (seed(), from the usage hashes), then to tenants as the worker first sees them
+while places are left. Counters cannot move between labels, so the set is fixed once full;
+`genpool usage` has every tenant's exact figures.
 """
 from __future__ import annotations
 
@@ -26,6 +28,14 @@ class TenantCounters:
                               "tenant", lab, registry=registry)
         self.generated = Counter(NS + "tenant_generation_tokens", "Generated tokens of finished "
                                  "jobs, per tenant", lab, registry=registry)
+
+    def seed(self, ranked: list[str]) -> None:
+        """Give labels to these tenants first (the top ones by usage, in order)."""
+        for tenant in ranked:
+            if len(self.named) >= self.max_labels:
+                return
+            if tenant != OTHER:
+                self.named.add(tenant)
 
     def label(self, tenant: str) -> str:
         if tenant in self.named or (tenant != OTHER and len(self.named) < self.max_labels):
