@@ -230,9 +230,12 @@ class Worker:
         shard = self.idle_reads % shards
         lanes = self.keys.shard_lanes(shard)
         self.idle_reads += 1
-        # tenants' sub-streams wake no blocked read: look at the shard's fair turns first
+        # tenants' sub-streams wake no blocked read: look at the shard's fair turns first, taking
+        # no more than the blocking read below would (a third of the room): an idle worker that
+        # took every queued job would leave its peers (and prefix routing) nothing
+        n = max(1, free // len(LANES))
         entries = entries_from(pipelined(self.r, [shard], lambda pipe, k: self.fair.queue_read(
-            pipe, self.keys, k, free, free, self.caps.full), [FAIR_READ], raise_errors=True)[0],
+            pipe, self.keys, k, n, n, self.caps.full), [FAIR_READ], raise_errors=True)[0],
             self.keys)
         if entries:
             for e in entries:
