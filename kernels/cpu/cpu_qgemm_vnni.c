@@ -10,7 +10,7 @@
  * Layout (kernels/cpu/qgemm.py QPackedWeight, layout "vnni"): panels of VP = 16 output columns, in
  * which 4 consecutive k of one column share a 32-bit lane, as vpdpbusd sums them:
  *   int8  q[P][K / 4][16][4] bytes holding u = q + 128 (vpdpbusd's first operand is unsigned; the
- *         128 * sum(xq) that adds is removed exactly by starting a group's int32 sum at -128 * sum(xq))
+ *         128 * sum(xq) that adds is removed per group in fp32, with the offset term: tile())
  *   int4  q[P][K / 8][16][4] bytes: low nibble k = 8j + i, high nibble k = 8j + 4 + i
  *   scales, offsets (or none) fp32 [P][K / g][16], W = scale * q + offset as in kernels/qtensor.py.
  * Then y[r, n] = sum_b scale[n, g(b)] * dx[r, b] * sum_{k in b} q[n, k] xq[r, k] + sum_g offset[n, g] *
@@ -47,8 +47,7 @@ typedef struct {
     const qweight_t *w;
     const int8_t *xq;        /* [M][K] */
     const float *dx;         /* [M][K / AB]: activation scale per block */
-    const int32_t *sq;       /* [M][K / AB]: sum of xq (the int8 shift's correction) */
-    const float *sx;         /* [M][G]: sum over the group's blocks of dx * sq (the offsets' factor) */
+    const float *sx;         /* [M][G]: sum over the group's blocks of dx * sum(xq) (offset, shift) */
     const float *bias;
     float *y;
     int64_t m, k, n, ldy;
@@ -95,14 +94,13 @@ static inline int32_t quantize_block(const float *x, int8_t *q, float *d) {
 #endif
 }
 
-/* Rows [lo, hi) of x quantized per block of AB: xq = round(x / dx), dx = max|x| / 127 (sq: the
- * block's sum of xq); sx per weight group: sum over its blocks of dx * sq. */
+/* Rows [lo, hi) of x quantized per block of AB: xq = round(x / dx), dx = max|x| / 127; sx per
+ * weight group: sum over its blocks of dx * sum(xq). */
 typedef struct {
     const float *x;
     int64_t ldx, k, g;
     int8_t *xq;
     float *dx, *sx;
-    int32_t *sq;
 } quant_t;
 
 static int quantize_rows(const void *arg, int64_t lo, int64_t hi) {
@@ -115,22 +113,26 @@ static int quantize_rows(const void *arg, int64_t lo, int64_t hi) {
             float d;
             const int32_t qsum = quantize_block(x, q, &d);
             a->dx[r * B + b] = d;
-            a->sq[r * B + b] = qsum;
             if (b % per == 0) a->sx[r * G + b / per] = 0.f;
             a->sx[r * G + b / per] += d * (float)qsum;
         }
     return 0;
 }
 
-/* Rows r0 .. r0 + R of x against C (1 or 2) panels pan[]: out[r][c * VP + j] (R, C compile-time
- * after inlining, so every accumulator is a register). Per activation block: int32 sums, then
- * acc += sums * (scale * dx); per weight group: acc += offset * sx. */
+/* Rows r0 .. r0 + R of x against C (1 or 2) panels pan[]: out[r][c * VP + j] (R, C and ONE
+ * compile-time after inlining, so every accumulator is a register). Per activation block: int32
+ * sums from zero, then acc += sums * (scale * dx); per weight group: acc += (offset - 128 * scale)
+ * * sx, the int8 shift's correction and the offset term in one FMA (sx = the group's sum of dx *
+ * sum(xq)). ONE (one group over all K, as int8 per channel): the scale is the same for every
+ * block, so acc += sums * dx and the scale multiplies once at the end, 8 fewer multiplies a block
+ * than scale * dx per block (they share the FMA ports with vpdpbusd). */
 static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0, const int R, const int64_t *pan,
-                                                       const int C, float *out) {
+                                                       const int C, float *out, const int ONE) {
     const qweight_t *w = a->w;
     const int64_t K = a->k, g = w->group, G = K / g, B = K / AB;
     const int64_t pbytes = w->bits == 8 ? K * VP : K * VP / 2; /* one panel's bytes */
     const vi_t nib = vi_set1_8(15);
+    const vf_t shift = vf_set1(w->bits == 8 ? -128.f : 0.f);
     vf_t acc[MAX_R][2];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -144,11 +146,9 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
             vi_t ia[MAX_R][2];
             const int8_t *xb = a->xq + r0 * K + b * AB;
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const vi_t z = w->bits == 8 ? vi_set1_32(-128 * a->sq[(r0 + r) * B + b]) : vi_zero();
+            for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
-                for (int c = 0; c < C; c++) ia[r][c] = z;
-            }
+                for (int c = 0; c < C; c++) ia[r][c] = vi_zero();
             if (w->bits == 8) {
 #pragma GCC unroll 1 /* unrolled, GCC hoists every broadcast of the block and spills them */
                 for (int t = 0; t < AB / 4; t++) {
@@ -191,17 +191,25 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
                 const vf_t d = vf_set1(a->dx[(r0 + r) * B + b]);
 #pragma GCC unroll 2
                 for (int c = 0; c < C; c++)
-                    acc[r][c] = vf_fmadd(vi_to_f(ia[r][c]), vf_mul(s[c], d), acc[r][c]);
+                    acc[r][c] = vf_fmadd(vi_to_f(ia[r][c]), ONE ? d : vf_mul(s[c], d), acc[r][c]);
             }
         }
-        if (w->offsets) {
+        if (w->offsets || w->bits == 8) {
 #pragma GCC unroll 2
             for (int c = 0; c < C; c++) {
-                const vf_t o = vf_load(w->offsets + (pan[c] * G + gi) * VP);
+                const vf_t o = w->offsets ? vf_load(w->offsets + (pan[c] * G + gi) * VP) : vf_zero();
+                const vf_t f = vf_fmadd(shift, s[c], o); /* offset - 128 * scale */
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    acc[r][c] = vf_fmadd(o, vf_set1(a->sx[(r0 + r) * G + gi]), acc[r][c]);
+                for (int r = 0; r < R; r++) {
+                    const vf_t sx = vf_set1(a->sx[(r0 + r) * G + gi]);
+                    acc[r][c] = ONE ? vf_fmadd(acc[r][c], s[c], vf_mul(f, sx)) : vf_fmadd(f, sx, acc[r][c]);
+                }
             }
+        } else if (ONE) {
+#pragma GCC unroll 2
+            for (int c = 0; c < C; c++)
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) acc[r][c] = vf_mul(acc[r][c], s[c]);
         }
     }
 #pragma GCC unroll 4
@@ -211,9 +219,10 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
 }
 
 #define TILE_CASE(R, C) \
-    case (R) * 4 + (C): tile(a, r0, R, pan, C, out); break;
+    case (R) * 4 + (C): if (one) tile(a, r0, R, pan, C, out, 1); else tile(a, r0, R, pan, C, out, 0); break;
 
 static void tile_any(const vq_t *a, int64_t r0, int R, const int64_t *pan, int C, float *out) {
+    const int one = a->w->group == a->k;
     switch (R * 4 + C) {
         TILE_CASE(1, 1) TILE_CASE(1, 2)
 #if TILE_ROWS > 1
@@ -284,19 +293,18 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
     const int64_t G = a->k / w->group, B = a->k / AB;
     int8_t *xq = malloc((size_t)(a->m * a->k));
     float *fs = malloc(sizeof(float) * a->m * (B + G));
-    int32_t *sq = malloc(sizeof(int32_t) * a->m * B);
     int rc = -1;
-    if (xq && fs && sq) {
-        const quant_t qa = {x, ldx, a->k, w->group, xq, fs, fs + a->m * B, sq};
+    if (xq && fs) {
+        const quant_t qa = {x, ldx, a->k, w->group, xq, fs, fs + a->m * B};
         rc = parallel_rows(quantize_rows, &qa, a->m, a->k, nthreads);
-        a->xq = xq, a->dx = fs, a->sx = fs + a->m * B, a->sq = sq;
+        a->xq = xq, a->dx = fs, a->sx = fs + a->m * B;
         const int64_t tiles = (a->m + MAX_R - 1) / MAX_R, pair = a->glu ? 2 : 1;
         if (!rc)
             rc = tiles >= ROW_SPLIT_TILES * nthreads
                      ? parallel_rows(by_rows, a, tiles, a->k * a->n * pair, nthreads)
                      : parallel_rows(by_units, a, units_of(a), a->m * a->k * UNIT_PANELS * VP * pair, nthreads);
     }
-    free(xq), free(fs), free(sq);
+    free(xq), free(fs);
     return rc;
 }
 #endif
@@ -304,7 +312,7 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
 int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
                int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
-    vq_t a = {w, 0, 0, 0, 0, bias, y, m, k, n, ldy, 0};
+    vq_t a = {w, 0, 0, 0, bias, y, m, k, n, ldy, 0};
     return run(&a, x, ldx, nthreads);
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)m, (void)k, (void)n, (void)ldx, (void)ldy, (void)nthreads;
@@ -317,7 +325,7 @@ int qvnni_gemm_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, i
                       int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
     if (inter < VP || inter % VP) return -4;
-    vq_t a = {w, 0, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
+    vq_t a = {w, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
     return run(&a, x, ldx, nthreads);
 #else
     (void)x, (void)w, (void)y, (void)m, (void)k, (void)inter, (void)ldx, (void)ldy, (void)nthreads;
