@@ -8,7 +8,7 @@ normal priority (started and stopped here), in rounds that alternate the order. 
     before a thread sleeps), `bounded` (GOMP_SPINCOUNT=10000) and `passive`
     (OMP_WAIT_POLICY=PASSIVE: sleep at once). genpool sets none of them: the worker runs with
     whatever the environment says;
-  - llama.cpp's server (benchmarks/llamacpp_peer.py) when LLAMA_SERVER is set.
+  - llama.cpp's server (benchmarks/llamacpp_peer.py) when LLAMA_SERVER is set, per --peer-types.
 
   python benchmarks/contention.py --modes fp32,int8 --num-requests 16 --rounds 2 [--json out.json]
 """
@@ -53,15 +53,23 @@ def stop_load(procs: list) -> None:
         p.join()
 
 
+def wait_env(wait: str) -> dict:
+    """A --waits name as environment: one of WAIT_VARIANTS, or spin=N (GOMP_SPINCOUNT=N)."""
+    if wait.startswith("spin="):
+        return {"GOMP_SPINCOUNT": str(int(wait[5:]))}
+    return WAIT_VARIANTS[wait]
+
+
 def run_one(variant: str, a, out: str) -> float:
     mode, _, wait = variant.partition("/")
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
     env.pop("GOMP_SPINCOUNT", None)
-    if mode == "llamacpp":
-        cmd = [sys.executable, os.path.join(HERE, "llamacpp_peer.py"), "--model", a.model]
+    if mode.startswith("llamacpp"):
+        cmd = [sys.executable, os.path.join(HERE, "llamacpp_peer.py"), "--model", a.model,
+               "--type", mode.partition("-")[2] or "q4_1"]
     else:
-        env.update(WAIT_VARIANTS[wait])
+        env.update(wait_env(wait))
         cmd = [sys.executable, os.path.join(HERE, "quant_modes.py"), "--mode", mode, "--model", a.model,
                "--max-num-seqs", str(a.max_num_seqs)]
     cmd += ["--num-requests", str(a.num_requests), "--seed", str(a.seed), "--threads", str(a.threads),
@@ -75,7 +83,7 @@ def run_one(variant: str, a, out: str) -> float:
 def variants(a) -> list[str]:
     out = [f"{m}/{w}" for m in a.modes.split(",") for w in a.waits.split(",")]
     if os.environ.get("LLAMA_SERVER"):
-        out.append("llamacpp")
+        out += [f"llamacpp-{t}" for t in a.peer_types.split(",")]
     return out
 
 
@@ -103,12 +111,14 @@ def measure(a) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="fp32,int8")
-    ap.add_argument("--waits", default="bounded,gomp-default", help=f"of {sorted(WAIT_VARIANTS)}")
+    ap.add_argument("--waits", default="bounded,gomp-default", help=f"of {sorted(WAIT_VARIANTS)}, or spin=N")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-types", default="q8_0", help="llama.cpp weights when LLAMA_SERVER is set: "
+                    "f32,q8_0,q4_1 (default q8_0)")
     ap.add_argument("--busy", type=int, default=0, help="busy processes (default: one per core)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")

@@ -7,14 +7,20 @@ The row has the keys of a quant_modes run: tok/s, the batch-1 decode step (llama
 per-token timing of one 64-token request), generated token ids, and the server's RSS (its whole
 process: llama.cpp has no separate KV/library split to subtract).
 
-    python benchmarks/llamacpp_peer.py --server PATH/llama-server --out row.json
-    LLAMA_SERVER=PATH python benchmarks/throughput.py --modes fp32,q4_1,llamacpp --rounds 2
+    python benchmarks/llamacpp_peer.py --server PATH/llama-server [--type f32|q8_0|q4_1] --out row.json
+    LLAMA_SERVER=PATH python benchmarks/throughput.py --modes fp32,int8,q4_1,llamacpp-f32,llamacpp-q8_0,llamacpp-q4_1
+
+--type q4_1 (the default; mode `llamacpp` or `llamacpp-q4_1`) serves the shipped GGUF as it is. f32 and
+q8_0 are made from it once with llama.cpp's own `llama-quantize --allow-requantize` (beside the server
+binary, or $LLAMA_QUANTIZE) into $GENPOOL_HOME/peers: F32 is the Q4_1 weights dequantized, the same
+numbers genpool's fp32 checkpoint holds (it is converted from that file), and Q8_0 is quantized
+from that F32, so every row runs the same weights.
 
 Build the server from the llama-cpp-python source distribution (it vendors llama.cpp):
     pip download --no-binary :all: --no-deps llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
     cd llama_cpp_python-*/vendor/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release \\
       -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \\
-      -DLLAMA_BUILD_EXAMPLES=OFF && cmake --build build -j2 --target llama-server
+      -DLLAMA_BUILD_EXAMPLES=OFF && cmake --build build -j2 --target llama-server llama-quantize
 """
 from __future__ import annotations
 
@@ -69,16 +75,41 @@ def _completion(port: int, ids: list[int], n: int) -> dict:
                         "cache_prompt": False, "return_tokens": True})
 
 
-def run(server: str, model: str, num_requests: int, seed: int, threads: int, slots: int) -> dict:
+TYPES = {"q4_1": "Q4_1", "q8_0": "Q8_0", "f32": "F32"}  # --type -> llama-quantize's type name
+
+
+def peer_gguf(server: str, model: str, kind: str) -> str:
+    """The GGUF llama.cpp serves for --type kind: the shipped one (q4_1), else one derived from it
+    with llama-quantize once and kept under $GENPOOL_HOME/peers."""
+    from genpool.engine.models.registry import gguf_path
+    from genpool.schemas.config import genpool_home
+    shipped = str(gguf_path(model))
+    if kind == "q4_1":
+        return shipped
+    out = genpool_home() / "peers" / f"{model}-{kind}.gguf"
+    if not out.exists():
+        quantize = os.environ.get("LLAMA_QUANTIZE") or os.path.join(os.path.dirname(server), "llama-quantize")
+        if not os.path.exists(quantize):
+            raise SystemExit(f"--type {kind} needs llama-quantize beside the server or in $LLAMA_QUANTIZE")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".part")
+        subprocess.run([quantize, "--allow-requantize", shipped, str(tmp), TYPES[kind]], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(tmp, out)
+    return str(out)
+
+
+def run(server: str, model: str, num_requests: int, seed: int, threads: int, slots: int,
+        kind: str = "q4_1") -> dict:
     from transformers import AutoTokenizer
 
     from benchmarks.quant_modes import cpu_features
     from benchmarks.workload import build_workload
-    from genpool.engine.models.registry import gguf_path, resolve_model
+    from genpool.engine.models.registry import resolve_model
     tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
     reqs = build_workload(tok, num_requests, seed)
     port = _free_port()
-    cmd = [server, "-m", str(gguf_path(model)), "-t", str(threads), "-np", str(slots), "-c",
+    cmd = [server, "-m", peer_gguf(server, model, kind), "-t", str(threads), "-np", str(slots), "-c",
            str(2048 * slots), "-cb", "--host", "127.0.0.1", "--port", str(port)]
     # llama.cpp's own threading defaults: OMP_WAIT_POLICY=PASSIVE (which genpool's benchmarks may
     # set) puts its OpenMP threads to sleep at every barrier: its batch-1 decode took 30 ms a token
@@ -87,7 +118,7 @@ def run(server: str, model: str, num_requests: int, seed: int, threads: int, slo
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         _wait_healthy(port, proc)
-        res = dict(mode="llamacpp", cpu_features=cpu_features(), command=" ".join(cmd[:1] + cmd[3:]))
+        res = dict(mode=f"llamacpp-{kind}", cpu_features=cpu_features(), command=" ".join(cmd[:1] + cmd[3:]))
         _completion(port, list(reqs[0].prompt_token_ids[:32]), 4)  # warm-up
         one = _completion(port, list(reqs[0].prompt_token_ids[:64]), 64)
         res["decode_step_batch1_ms"] = one["timings"]["predicted_per_token_ms"]
@@ -117,14 +148,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
     ap.add_argument("--slots", type=int, default=16, help="parallel slots (default 16)")
+    ap.add_argument("--type", choices=sorted(TYPES), default="q4_1", help="weights llama.cpp serves (default q4_1)")
     ap.add_argument("--out", required=True, help="write the row's JSON here")
     a = ap.parse_args(argv)
     if not a.server or not os.path.exists(a.server):
         ap.error("no llama-server binary: pass --server or set LLAMA_SERVER (see this file's docstring)")
-    res = run(a.server, a.model, a.num_requests, a.seed, a.threads, a.slots)
+    res = run(a.server, a.model, a.num_requests, a.seed, a.threads, a.slots, a.type)
     with open(a.out, "w") as f:
         json.dump(res, f)
-    print(f"llama.cpp: {res['tokens']} tokens in {res['seconds']:.1f} s = {res['tok_s']:.1f} tok/s; "
+    print(f"llama.cpp {a.type}: {res['tokens']} tokens in {res['seconds']:.1f} s = {res['tok_s']:.1f} tok/s; "
           f"batch-1 decode {res['decode_step_batch1_ms']:.1f} ms/token; RSS {res['rss_after_run'] / 1e6:.0f} MB")
     return 0
 

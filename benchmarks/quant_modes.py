@@ -237,10 +237,12 @@ if __name__ == "__main__":
 
 def _child(mode: str, a, out: str, logprobs: str | None) -> dict:
     import subprocess
-    if mode == "llamacpp":  # the peer row: llama.cpp's server on the same GGUF (llamacpp_peer.py)
+    if mode.startswith("llamacpp"):  # peer rows: llama.cpp's server on the same weights (llamacpp_peer.py)
         peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_peer.py")
+        kind = mode.partition("-")[2] or "q4_1"  # llamacpp, llamacpp-f32, llamacpp-q8_0, llamacpp-q4_1
         subprocess.run([sys.executable, peer, "--model", a.model, "--num-requests", str(a.num_requests),
-                        "--seed", str(a.seed), "--threads", str(a.threads), "--out", out], check=True)
+                        "--seed", str(a.seed), "--threads", str(a.threads), "--type", kind, "--out", out],
+                       check=True)
         with open(out) as f:
             return json.load(f)
     cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--model", a.model, "--num-requests",

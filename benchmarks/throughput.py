@@ -138,6 +138,17 @@ def run_engine(path, dtype, reqs, args):
     return dt, toks, gens, stats
 
 
+def floor_report(args, summary: dict) -> str:
+    """Each mode against the hardware's floor (benchmarks/floor.py) and genpool against llama.cpp."""
+    from transformers import AutoTokenizer
+
+    from benchmarks import floor
+    path = resolve_model(args.model)
+    reqs = build_workload(AutoTokenizer.from_pretrained(str(path)), args.num_requests, args.seed)
+    args.peaks = floor.measure_peaks()  # kept in the --json output's args
+    return floor.floor_table(summary, str(path), sum(r.prompt_len for r in reqs), len(reqs), args.peaks)
+
+
 def run_modes(args) -> int:
     import tempfile
 
@@ -152,6 +163,7 @@ def run_modes(args) -> int:
             summary = quant_modes.compare(args, args.modes.split(","), args.rounds, tmp)
     print(quant_modes.table(summary))
     print(quant_modes.quality_table(summary))
+    print(floor_report(args, summary))
     print("CPU features:", ", ".join(next(iter(summary.values()))["cpu_features"]))
     if args.json:
         with open(args.json, "w") as f:

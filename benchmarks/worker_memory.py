@@ -5,8 +5,11 @@ when it is ready, then sends a hostile mix (1M-character prompts, prompts over t
 junk entries, wrong types) and large valid work (16 concurrent ~3000-token prompts, one ~7500-token
 prompt), and reads them again: right after, and after the worker has been idle for a few seconds.
 Prints one JSON object; the worker's own start-phase log lines go to --log.
+`--workload mix` sends the throughput benchmark's 48-request chat mix (benchmarks/workload.py, greedy)
+instead: the worker's RSS per weight mode at start and after that mix (issue 34).
 
     python benchmarks/worker_memory.py [--model smollm2-135m] [--log /tmp/worker.log] [-- worker args]
+    python benchmarks/worker_memory.py --workload mix -- --quantization int8
 """
 from __future__ import annotations
 
@@ -53,11 +56,22 @@ def hostile(c: Client) -> list:
     return jobs
 
 
+def mix(c: Client, model: str) -> list:
+    from transformers import AutoTokenizer
+
+    from benchmarks.workload import build_workload
+    from genpool.engine.models.registry import resolve_model
+    reqs = build_workload(AutoTokenizer.from_pretrained(str(resolve_model(model))), 48, 0)
+    return [c.submit(prompt_token_ids=list(r.prompt_token_ids), max_tokens=r.max_tokens, temperature=0.0)
+            for r in reqs]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--redis", default=None)
     ap.add_argument("--log", default="/tmp/genpool-worker-memory.log")
+    ap.add_argument("--workload", choices=["hostile", "mix"], default="hostile")
     ap.add_argument("worker_args", nargs="*")
     a = ap.parse_args()
     prefix = f"mem-{uuid.uuid4().hex[:8]}"
@@ -67,7 +81,7 @@ def main() -> int:
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.DEVNULL, stderr=open(a.log, "wb"))
-    report: dict = {"model": a.model, "worker_args": a.worker_args}
+    report: dict = {"model": a.model, "worker_args": a.worker_args, "workload": a.workload}
     try:
         while not c.job("x").serving_workers():
             if proc.poll() is not None:
@@ -75,11 +89,11 @@ def main() -> int:
             time.sleep(0.5)
         report["start_s"] = round(time.monotonic() - t0, 1)
         report["at_start"] = mem(proc.pid)
-        jobs = hostile(c)
+        jobs = hostile(c) if a.workload == "hostile" else mix(c, a.model)
         results = [j.result(timeout=1800, raise_on_error=False) for j in jobs]
         report["jobs"] = {"ok": sum(r.ok for r in results),
                           "failed": sorted({r.error.code for r in results if not r.ok})}
-        report["after_hostile"] = mem(proc.pid)
+        report[f"after_{a.workload}"] = mem(proc.pid)
         time.sleep(5)  # idle: the engine returns its large step buffers
         report["after_idle"] = mem(proc.pid)
         report["alive"] = proc.poll() is None

@@ -181,3 +181,25 @@ def report(obj: Any, sources: dict[str, str], names: Optional[Iterable[str]] = N
 def help_default(s: Setting) -> str:
     """What a CLI option's help says its default is."""
     return f"default: ${s.env}, else {s.default}"
+
+
+# libgomp's spin before a waiting OpenMP thread sleeps, when the environment names no wait policy:
+# libgomp's own default (300,000 spins, about a millisecond) lets a waiting thread burn the time
+# slices a busy neighbour on the same cores needs, and a worker sharing 2 cores with two busy
+# processes kept 24-31% of its idle throughput; at 1,000 spins (~20 us) it kept ~45%, with no loss
+# when the cores are idle (benchmarks/contention.py, docs/results.md "Under a competing load").
+OPENMP_SPINCOUNT = "1000"
+
+
+def bound_openmp_spinning(environ=None) -> bool:
+    """Set GOMP_SPINCOUNT to OPENMP_SPINCOUNT unless the environment already names a wait policy
+    (OMP_WAIT_POLICY or GOMP_SPINCOUNT). libgomp reads it once, when torch loads it, so this only
+    takes effect before torch is imported: the genpool command and the Celery app call it first (here, in a module without torch, for that reason).
+    Returns whether it took effect."""
+    import os
+    import sys
+    environ = os.environ if environ is None else environ
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return False
+    environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
+    return True

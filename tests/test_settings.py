@@ -197,3 +197,27 @@ def test_the_checker_finds_a_read(tmp_path):
                    'c = os.getenv("GENPOOL_Z", "1")\nd = "GENPOOL_W" in os.environ\ne = os.environ.get("HOME")\n')
     assert [r.split(" reads ")[1] for r in _knob_reads(bad, {})] == ["GENPOOL_Y", "GENPOOL_X", "GENPOOL_Z",
                                                                  "GENPOOL_W"]
+
+
+def _spin_env_after_start(env: dict, code: str) -> str:
+    """GOMP_SPINCOUNT as a fresh interpreter sees it after `code` has run (and torch has loaded)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")} | env
+    out = subprocess.run([sys.executable, "-P", "-c", code + "\nimport os, torch\n"
+                          "print(os.environ.get('GOMP_SPINCOUNT', '-'))"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("entry", ["from genpool.workers.cli.main import main; main([])",
+                                   "import genpool.workers.integrations.celery_app"])
+def test_the_worker_entry_points_bound_openmp_spinning_before_torch_loads(entry):
+    """The genpool command and the Celery app set libgomp's spin (read once, when torch loads it)
+    to the bounded value unless the environment names a policy itself; set after torch, nothing."""
+    assert _spin_env_after_start({}, entry) == settings.OPENMP_SPINCOUNT
+    assert _spin_env_after_start({"GOMP_SPINCOUNT": "7"}, entry) == "7"
+    assert _spin_env_after_start({"OMP_WAIT_POLICY": "PASSIVE"}, entry) == "-"
+    assert _spin_env_after_start({}, "import torch\nfrom genpool.schemas.settings import bound_openmp_spinning\n"
+                                     "assert not bound_openmp_spinning()") == "-"

@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from genpool.schemas.settings import value
+from genpool.schemas.settings import bound_openmp_spinning, value
 
 COMMANDS: dict[str, str] = {
     "models": "genpool.workers.cli.models:register",
@@ -137,6 +137,7 @@ def _show_client_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    bound_openmp_spinning()  # before any command imports torch (schemas/settings.py says why)
     _show_client_warnings()
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
     argv = [a for a in argv if a != "--debug"]

@@ -23,9 +23,11 @@ from celery.exceptions import Ignore, Reject
 from genpool.producer import Client
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
-from genpool.schemas.settings import value
+from genpool.schemas.settings import bound_openmp_spinning, value
 from genpool.workers.integrations.celery_guard import GuardedTask
 from genpool.workers.integrations.flower_events import CELERY_MARK, REVOKED_CODES
+
+bound_openmp_spinning()  # a Celery worker runs the engine in this process: before torch loads
 
 # `celery -A genpool.workers.integrations.celery_app flower` imports this module before Flower reads FLOWER_* options:
 # listen on loopback unless told otherwise (compose passes --address=0.0.0.0 in its network).
