@@ -80,6 +80,17 @@ def decode_step_batch1(llm, prompt: list[int], steps: int = 64, reps: int = 3) -
     return best
 
 
+class _Text(SimpleNamespace):
+    """A text run through the runner outside the scheduler: the fields and calls model_runner.prepare
+    and engine/step_rows.py read of a Sequence (no prompt scoring, no draft)."""
+
+    def step_token_ids(self, n: int) -> list[int]:
+        return self.token_ids[self.num_computed_tokens:self.num_computed_tokens + n]
+
+    def prompt_score_rows(self, n: int) -> range:
+        return range(0)
+
+
 @torch.inference_mode()
 def score(llm, texts: list[list[int]]) -> torch.Tensor:
     """Teacher-forced log-probs [B, L - 1, V] of every next token of the texts (equal lengths L),
@@ -87,7 +98,7 @@ def score(llm, texts: list[list[int]]) -> torch.Tensor:
     does not know of: only on an idle engine that is discarded afterwards."""
     runner = llm.llm_engine.runner
     n_blocks = -(-len(texts[0]) // runner.block_size)
-    seqs = [SimpleNamespace(token_ids=t[:1], num_computed_tokens=0, num_tokens=1,
+    seqs = [_Text(token_ids=t[:1], num_computed_tokens=0, num_tokens=1,
                             block_table=list(range(i * n_blocks, (i + 1) * n_blocks))) for i, t in enumerate(texts)]
     out = []
     for pos in range(len(texts[0]) - 1):
@@ -105,7 +116,7 @@ def score_prefill(llm, texts: list[list[int]]) -> torch.Tensor:
     (prompt-sized products: bf16 ones where a quantized mode takes them), every row's logits."""
     runner = llm.llm_engine.runner
     n_blocks = -(-len(texts[0]) // runner.block_size)
-    seqs = [SimpleNamespace(token_ids=list(t), num_computed_tokens=0, num_tokens=len(t),
+    seqs = [_Text(token_ids=list(t), num_computed_tokens=0, num_tokens=len(t),
                             block_table=list(range(i * n_blocks, (i + 1) * n_blocks))) for i, t in enumerate(texts)]
     ids, pos, meta, _ = runner.prepare([(s, len(s.token_ids)) for s in seqs])
     meta.keep = None  # every row's hidden state, not only the last of each prompt
