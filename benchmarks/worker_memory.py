@@ -79,7 +79,9 @@ def main() -> int:
     cmd = [sys.executable, "-P", "-m", "genpool.workers.cli.main", "worker", "--model", a.model, "--redis", c.url,
            "--prefix", prefix, *a.worker_args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    # no PYTHONPATH=ROOT: the checkout's top-level folders (kernels/ among them) would shadow
+    # site-packages (Hugging Face's `kernels`, which transformers imports); genpool is installed
+    proc = subprocess.Popen(cmd, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=open(a.log, "wb"))
     report: dict = {"model": a.model, "worker_args": a.worker_args, "workload": a.workload}
     try:
