@@ -30,6 +30,8 @@ MODES = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
 # The same weights through the widening kernel (fp32 FMAs, bf16 prompt products on bf16 hardware),
 # the default before the VNNI int8 kernel: kernels/cpu/qgemm.py compute_mode().
 MODES.update({"int8-widen": MODES["int8"], "q4_1-widen": MODES["q4_1"]})
+# The same weights over a bf16 KV cache (EngineConfig.kv_cache_dtype): half the K/V bytes.
+MODES.update({f"{m}-kvbf16": dict(MODES[m], kv_cache_dtype="bfloat16") for m in ("fp32", "int8", "q4_1")})
 MODE_ENV = {m: {"GENPOOL_QUANT_COMPUTE": "bf16"} for m in ("int8-widen", "q4_1-widen")}
 SCORE_TOKENS = 128  # tokens per scored paragraph
 KV_BLOCKS = 2048  # the same KV cache in every mode (its resident part is subtracted from the RSS compared)

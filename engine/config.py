@@ -14,6 +14,7 @@ from genpool.schemas import settings
 # can build its options from this module cheaply
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KERNEL_BACKENDS = settings.KERNEL_BACKENDS  # "auto", "cpu", "torch", "triton"
 QUANT_COMPUTE = settings.QUANT_COMPUTE  # "auto", "vnni", "bf16", "fp32"
@@ -32,7 +33,11 @@ def _opt(help: str, **extra) -> dict:
 class EngineConfig:
     model: str = field(metadata=_opt("registry name (e.g. smollm2-135m; `genpool models list`) or local HF "
                                      "checkpoint dir (required, no default)"))
-    dtype: str = field(default="float32", metadata=_opt("weights and KV cache dtype", choices=tuple(DTYPES)))
+    dtype: str = field(default="float32", metadata=_opt("weights and activations dtype", choices=tuple(DTYPES)))
+    kv_cache_dtype: str = field(default="auto", metadata=_opt(
+        "KV cache dtype: auto (the model's --dtype) or bfloat16 under a float32 model on the CPU, which "
+        "holds twice the tokens in the same memory and halves the bytes decode attention reads; K/V "
+        "are rounded to bf16 when written, attention computes in fp32", choices=KV_CACHE_DTYPES))
     device: str = field(default="auto", metadata=_opt(
         "auto|cpu|cuda|cuda:N (auto: CUDA when torch sees a GPU, else the CPU)"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block (a power of two)"))
@@ -96,6 +101,12 @@ class EngineConfig:
         self.setting_sources = settings.resolve_fields(self, "EngineConfig", self.setting_sources)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_dtype_name not in (DTYPES[self.dtype], "bfloat16") or (
+                self.kv_dtype_name != DTYPES[self.dtype] and DTYPES[self.dtype] != "float32"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} under dtype {self.dtype!r}: the KV cache "
+                             "is the model's dtype, or bfloat16 under a float32 model")
         if not DEVICE_RE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -137,6 +148,17 @@ class EngineConfig:
         import torch
 
         return getattr(torch, DTYPES[self.dtype])
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's canonical dtype name ("auto": the model's)."""
+        return DTYPES[self.dtype] if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+
+    @property
+    def kv_torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.kv_dtype_name)
 
     def settings_report(self) -> str:
         """Each environment-backed setting, its value and where it came from, for a start line:

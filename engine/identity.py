@@ -2,7 +2,8 @@
 
 A job resumed on another worker continues exactly only if that worker computes the same logits and
 reads token ids the same way. So the identity is what decides both: the checkpoint's revision
-(a fingerprint of its files), the dtype, the quantization and the tokenizer. The worker records
+(a fingerprint of its files), the dtype, the quantization, the tokenizer, and the KV cache's dtype
+where it is not the model's (bf16 K/V under an fp32 model change the logits). The worker records
 `identity.key` (or `to_dict()`) with a job's first token; a taker whose identity `mismatch()`es
 restarts the job instead, and `mismatch()` says why.
 
@@ -37,16 +38,20 @@ class ModelIdentity:
     dtype: str  # canonical torch name: "float32", "bfloat16", "float16"
     quantization: str | None  # None, "int8", "gguf", "awq" (an AWQ checkpoint counts unasked)
     tokenizer: str  # hash of the tokenizer's full definition and chat template (hex)
+    kv_cache_dtype: str | None = None  # None: the model's dtype; else the cache's ("bfloat16")
 
     @property
     def key(self) -> str:
         """One short string for the compared fields: equal keys, same logits and token ids."""
-        blob = json.dumps([getattr(self, f) for f in _COMPARED]).encode()
+        fields = [getattr(self, f) for f in _COMPARED]
+        if self.kv_cache_dtype is not None:  # absent from the keys of engines with the model's KV dtype
+            fields.append(self.kv_cache_dtype)
+        blob = json.dumps(fields).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
     def mismatch(self, other: "ModelIdentity") -> str | None:
         """Why a job started on `self` cannot continue exactly on `other` (None: it can)."""
-        diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}" for f in _COMPARED
+        diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}" for f in (*_COMPARED, "kv_cache_dtype")
                  if getattr(self, f) != getattr(other, f)]
         return "model identity differs: " + ", ".join(diffs) if diffs else None
 
@@ -55,7 +60,7 @@ class ModelIdentity:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelIdentity":
-        return cls(**{f: data[f] for f in ("model", *_COMPARED)})
+        return cls(**{f: data[f] for f in ("model", *_COMPARED)}, kv_cache_dtype=data.get("kv_cache_dtype"))
 
 
 def _file_fingerprint(h, path: Path) -> None:
@@ -104,4 +109,5 @@ def model_identity(config: EngineConfig, model_path: Path, tokenizer) -> ModelId
     return ModelIdentity(
         model=str(config.model), revision=revision_fingerprint(model_path),
         dtype=DTYPES[config.dtype], quantization=checkpoint_quantization(cfg, config.quantization),
-        tokenizer=tokenizer_fingerprint(tokenizer))
+        tokenizer=tokenizer_fingerprint(tokenizer),
+        kv_cache_dtype=None if config.kv_dtype_name == DTYPES[config.dtype] else config.kv_dtype_name)

@@ -28,8 +28,12 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_malloc(config.malloc_tune)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_torch_dtype  # the model's, or bf16 under fp32 (halves the K/V bytes)
         self.block_size = config.block_size
         self.kern = get_backend(config.kernel_backend, self.device.type)
+        if self.kv_dtype != self.dtype and self.kern.name not in ("cpu", "torch"):
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} under a {config.dtype} model runs on the cpu "
+                             f"and torch kernel backends, not {self.kern.name}")
         self.model = self._load_model(model_path)
         self.args = self.model.args
         startup.phase("weights loaded", f"{mib(param_bytes(self.model))} {self.dtype}")
@@ -43,7 +47,7 @@ class ModelRunner:
         self.kv_caches = [(self._kv_tensor(shape), self._kv_tensor(shape))
                           for _ in range(self.args.num_layers)]
         startup.phase("KV allocated", f"{self.num_blocks} blocks of {self.block_size} tokens, "
-                      f"{mib(self.num_blocks * self.bytes_per_block)} reserved")
+                      f"{mib(self.num_blocks * self.bytes_per_block)} {self.kv_dtype} reserved")
         # the backend's one-call stack for pure-decode steps (None where it has none), bound to these caches
         self.decode_stack = self.model.build_decode_stack(self.kv_caches, self.rope.shape[0])
 
@@ -63,12 +67,12 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         a = self.args
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
 
     def _kv_tensor(self, shape: tuple) -> torch.Tensor:
         if self.device.type == "cpu":
-            return lazy_zeros(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return lazy_zeros(shape, self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _blocks_from_budget(self) -> int:
         if self.device.type == "cuda":

@@ -57,8 +57,9 @@ def _decode_group(q, k_cache, v_cache, tables, lens, scale):
     nb = (max_len + bs - 1) // bs
     idx = tables[:, :nb].to(torch.long).reshape(-1)
     shape = (lens.shape[0], nb * bs, *k_cache.shape[2:])
-    k = k_cache.index_select(0, idx).view(shape).transpose(1, 2)  # [B, Hkv, nb*bs, D]
-    v = v_cache.index_select(0, idx).view(shape).transpose(1, 2)
+    # [B, Hkv, nb*bs, D]; a bf16 cache under fp32 q (kv_cache_dtype) widened to q's dtype
+    k = k_cache.index_select(0, idx).view(shape).transpose(1, 2).to(q.dtype)
+    v = v_cache.index_select(0, idx).view(shape).transpose(1, 2).to(q.dtype)
     pos = torch.arange(nb * bs, device=q.device)
     mask = (pos[None, :] < lens[:, None].to(q.device))[:, None, None, :]  # [B,1,1,S]
     if q.dtype != torch.float32:
@@ -83,8 +84,8 @@ def _prefill_seq(q, k_cache, v_cache, table, kv_len, scale):
     """q [L, Hq, D]: the last L positions of a kv_len-token sequence, causal."""
     q_len = q.shape[0]
     # 4-D inputs: CPU SDPA takes its fused flash path only for [B, H, L, D] (3-D is ~4x slower).
-    k = _gather(k_cache, table, kv_len).transpose(0, 1)[None]  # [1, Hkv, S, D]
-    v = _gather(v_cache, table, kv_len).transpose(0, 1)[None]
+    k = _gather(k_cache, table, kv_len).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
+    v = _gather(v_cache, table, kv_len).transpose(0, 1)[None].to(q.dtype)
     gqa = k.shape[1] != q.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, Hq, L, D]
     if q_len == kv_len:

@@ -7,8 +7,9 @@
  * group's later heads; V, on AVX2, into one register for up to three heads: axpys_heads).
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous, fp32 or bf16
- * (dtype 0 / 1); q and out: [rows, num_heads, head_dim] contiguous, same dtype. Scores,
- * softmax and the weighted sum of V are in fp32. Work is split over threads by KV length.
+ * (kv_dtype 0 / 1); q and out: [rows, num_heads, head_dim] contiguous, fp32 or bf16 (dtype): a
+ * bf16 cache under fp32 activations is kv_cache_dtype bfloat16. Scores, softmax and the
+ * weighted sum of V are in fp32. Work is split over threads by KV length.
  * Returns 0, or a negative code: -1 out of memory, -2 block id out of range, -3 bad length.
  */
 #include "cpu_common.h"
@@ -25,7 +26,7 @@ typedef struct {
     int64_t hq, hkv, d, bs, width, num_blocks;
     int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; /* element strides: block, slot, head */
     float scale;
-    int dtype;
+    int dtype, kv_dtype; /* q and out; the caches */
     int64_t max_len;
     int64_t k_lines, v_lines; /* cache lines from a block's first K (V) element to its last */
     int64_t k_per, v_per;     /* lines per prefetch slice: ceil(lines / hq) */
@@ -44,7 +45,7 @@ typedef struct {
 /* K (is_v = 0) or V block `blk`, or nothing for an id out of range (refused later, not read). */
 static inline pf_t block_pf(const job_t *j, int is_v, int64_t blk) {
     if (blk < 0 || blk >= j->num_blocks) return (pf_t){0, 0, 0};
-    const int64_t es = j->dtype == 0 ? 4 : 2;
+    const int64_t es = j->kv_dtype == 0 ? 4 : 2;
     if (is_v) return (pf_t){(const char *)j->v + blk * j->v_sb * es, j->v_lines, j->v_per};
     return (pf_t){(const char *)j->k + blk * j->k_sb * es, j->k_lines, j->k_per};
 }
@@ -86,7 +87,7 @@ static inline const float *vec(const void *base, int64_t off, int dtype, int64_t
  * widened into tmp [bs, D] for bf16 (once per block and head, not once per query head). */
 static inline const float *block_rows(const job_t *j, const void *base, int64_t off, int64_t slot_stride,
                                       int64_t n, int64_t D, float *tmp, int64_t *stride) {
-    if (j->dtype == 0) {
+    if (j->kv_dtype == 0) {
         *stride = slot_stride;
         return (const float *)base + off;
     }
@@ -333,11 +334,11 @@ int paged_decode_attention(const void *q, const void *k, const void *v, void *ou
                            const int32_t *tables, const int32_t *lens, int64_t nrows,
                            int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t width,
                            int64_t num_blocks, const int64_t *k_strides, const int64_t *v_strides,
-                           float scale, int dtype, int nthreads) {
+                           float scale, int dtype, int kv_dtype, int nthreads) {
     job_t j = {q, k, v, out, tables, lens, hq, hkv, d, bs, width, num_blocks,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
-               scale, dtype, 1, 0, 0};
-    const int64_t esize = dtype == 0 ? 4 : 2;
+               scale, dtype, kv_dtype, 1, 0, 0};
+    const int64_t esize = kv_dtype == 0 ? 4 : 2;
     j.k_lines = (((bs - 1) * j.k_ss + (hkv - 1) * j.k_sh + d) * esize + 63) / 64;
     j.v_lines = (((bs - 1) * j.v_ss + (hkv - 1) * j.v_sh + d) * esize + 63) / 64;
     j.k_per = hq > 0 ? (j.k_lines + hq - 1) / hq : 0; /* hq = 0: no head, nothing prefetched */

@@ -32,13 +32,14 @@ typedef struct {
     const float *ln1, *ln2;            /* RMSNorm weights [H] */
     const float *qkv, *qkv_bias;       /* packed [H, (nh + 2 nkv) hd] panels; bias or NULL */
     const float *o, *gate_up, *down;   /* packed panels: [nh hd, H], [H, 2I] (SwiGLU-fusable), [I, H] */
-    float *k_cache, *v_cache;          /* contiguous [blocks, bs, nkv, hd] */
+    void *k_cache, *v_cache;           /* contiguous [blocks, bs, nkv, hd], fp32 or bf16 (dims_t.kv_dtype) */
     /* quantized weights (kernels/cpu/cpu_qgemm.c) in place of the fp32 panels above, or NULL */
     const qweight_t *qqkv, *qo, *qgate_up, *qdown;
 } layer_t;
 
 typedef struct {
     int64_t layers, hidden, inter, nh, nkv, hd, block_size, num_blocks, max_pos;
+    int64_t kv_dtype; /* the caches: 0 fp32, 1 bf16 (written rounded, read widened) */
     float eps, scale;
 } dims_t;
 
@@ -80,11 +81,12 @@ static int attention_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t
     rc = rotary(b->qkv, b->qkv + qn, b->q, b->k, pos, rope, m, d->nh, d->nkv, d->hd, qkv_n, qkv_n, d->max_pos, 0, nt);
     if (rc) return DL_ERR_ROTARY + rc;
     rc = write_kv(b->k, b->qkv + qn + kn, l->k_cache, l->v_cache, slots, m, kn, kn, qkv_n,
-                  d->num_blocks * d->block_size, sizeof(float));
+                  d->num_blocks * d->block_size, d->kv_dtype ? 2 : sizeof(float), (int)d->kv_dtype);
     if (rc) return DL_ERR_KV + rc;
     const int64_t strides[3] = {d->block_size * kn, kn, d->hd}; /* contiguous [blocks, bs, nkv, hd] */
     rc = paged_decode_attention(b->q, l->k_cache, l->v_cache, b->attn, tables, lens, m, d->nh, d->nkv, d->hd,
-                                d->block_size, width, d->num_blocks, strides, strides, d->scale, 0, nt);
+                                d->block_size, width, d->num_blocks, strides, strides, d->scale, 0,
+                                (int)d->kv_dtype, nt);
     if (rc) return DL_ERR_ATTN + rc;
     const gemm_next_t gate_up = {l->gate_up, d->hidden, d->inter, 1};
     rc = linear(b->attn, l->o, l->qo, 0, b->x, m, qn, d->hidden, &gate_up, nt);

@@ -10,9 +10,9 @@ void rms_norm(const void *x, const void *res, const void *w, void *out, void *su
 int rotary(const void *q, const void *k, void *qo, void *ko, const int64_t *pos, const float *cs, int64_t n,
            int64_t hq, int64_t hk, int64_t d, int64_t sq, int64_t sk, int64_t max_pos, int dtype, int nthreads);
 int write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots, int64_t t,
-             int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize);
+             int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize, int to_bf16);
 int paged_decode_attention(const void *q, const void *k, const void *v, void *out, const int32_t *tables,
                            const int32_t *lens, int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
                            int64_t width, int64_t num_blocks, const int64_t *k_strides, const int64_t *v_strides,
-                           float scale, int dtype, int nthreads);
+                           float scale, int dtype, int kv_dtype, int nthreads);
 #endif

@@ -1,4 +1,5 @@
-/* Causal prefill attention over the paged KV cache on the CPU, fp32.
+/* Causal prefill attention over the paged KV cache on the CPU: fp32 activations, caches in fp32 or
+ * bf16 (kv_dtype 1, kv_cache_dtype bfloat16: widened exactly when K^T and V are packed).
  *
  * Why: torch's CPU flash SDPA needs a gathered copy of K/V and ran prompt-sized sequences
  * (L = 64-350, head_dim 64) at 10-46 GFLOP/s on a Zen 3. Here both products run on the GEMM's
@@ -32,7 +33,8 @@
 enum { ROWS = 48, KCH = 512, GC = PANEL_COLS * PANEL_GROUP };
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* fp32, or bf16 with kv_dtype 1 (widened exactly while packing) */
     float *out;
     const int32_t *tables, *q_start, *q_len, *kv_len;
     const int64_t *item_start; /* first item of each sequence, nseq + 1 entries */
@@ -40,7 +42,13 @@ typedef struct {
     int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh;
     int64_t qb, dpad, lmax; /* query positions per item; D and the longest sequence rounded up to GC */
     float scale;
+    int kv_dtype;
 } job_t;
+
+/* Element i of a cache row at element offset off: fp32, or bf16 widened (exact). */
+static inline float kv_at(const job_t *j, const void *base, int64_t off) {
+    return j->kv_dtype ? bf16_f32(((const uint16_t *)base)[off]) : ((const float *)base)[off];
+}
 
 typedef struct {
     float *qr, *s, *o, *m, *l; /* rows padded to whole tiles: Q [R][D], S then P [R][KCH], O [R][dpad]; [R], [R] */
@@ -58,17 +66,17 @@ static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
     if (w->seq != sq || w->h != h) w->seq = sq, w->h = h, w->done = 0;
     for (int64_t t = w->done; t < upto; t++) {
         float *kt = w->kt + (t / PC) * D * PC + t % PC, *vp = w->vp + t * PC;
-        const float *kr = 0, *vr = 0;
+        int64_t kr = -1, vr = -1; /* element offsets of the key's K and V rows, or none */
         if (t < kl) {
             const int64_t blk = tab[t / j->bs], off = t % j->bs;
             if (blk < 0 || blk >= j->num_blocks) return -2;
-            kr = j->k + blk * j->k_sb + off * j->k_ss + h * j->k_sh;
-            vr = j->v + blk * j->v_sb + off * j->v_ss + h * j->v_sh;
+            kr = blk * j->k_sb + off * j->k_ss + h * j->k_sh;
+            vr = blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         }
-        for (int64_t c = 0; c < D; c++) kt[c * PC] = kr ? kr[c] : 0.f;
+        for (int64_t c = 0; c < D; c++) kt[c * PC] = kr >= 0 ? kv_at(j, j->k, kr + c) : 0.f;
         for (int64_t c0 = 0; c0 < j->dpad; c0 += PC, vp += j->lmax * PC) /* one panel's PC columns */
 #pragma omp simd
-            for (int64_t c = 0; c < PC; c++) vp[c] = vr && c0 + c < D ? vr[c0 + c] : 0.f;
+            for (int64_t c = 0; c < PC; c++) vp[c] = vr >= 0 && c0 + c < D ? kv_at(j, j->v, vr + c0 + c) : 0.f;
     }
     if (upto > w->done) w->done = upto;
     return 0;
@@ -201,10 +209,11 @@ static void split_items(const job_t *j, const int64_t *start, double total, int 
     for (; b <= n; b++) bounds[b] = start[j->nseq];
 }
 
-int paged_prefill_attention(const float *q, const float *k, const float *v, float *out, const int32_t *tables,
+int paged_prefill_attention(const float *q, const void *k, const void *v, float *out, const int32_t *tables,
                             int64_t width, const int32_t *q_start, const int32_t *q_len, const int32_t *kv_len,
                             int64_t nseq, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t num_blocks,
-                            const int64_t *k_strides, const int64_t *v_strides, float scale, int nthreads) {
+                            const int64_t *k_strides, const int64_t *v_strides, float scale, int kv_dtype,
+                            int nthreads) {
     if (d < 1 || hkv < 1 || hq % hkv || hq / hkv > 64 || bs < 1) return -4;
     int64_t *start = malloc(sizeof(int64_t) * (nseq + 1));
     if (!start) return -1;
@@ -223,7 +232,7 @@ int paged_prefill_attention(const float *q, const float *k, const float *v, floa
     }
     job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs, num_blocks,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
-               qb, round_up(d, GC), round_up(max_kv, GC), scale};
+               qb, round_up(d, GC), round_up(max_kv, GC), scale, kv_dtype};
     const int n = total < 1e5 ? 1 : thread_count(nthreads, start[nseq]);
     int64_t bounds[MAX_THREADS + 1];
     split_items(&j, start, total, n, bounds);

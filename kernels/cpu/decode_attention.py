@@ -21,7 +21,8 @@ def _kernel():
     return cpu_build.function(
         "cpu_decode_attention", "paged_decode_attention",
         [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-         ctypes.POINTER(i64), ctypes.POINTER(i64), ctypes.c_float, ctypes.c_int, ctypes.c_int], ctypes.c_int)
+         ctypes.POINTER(i64), ctypes.POINTER(i64), ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+        ctypes.c_int)
 
 
 def available() -> bool:
@@ -30,7 +31,8 @@ def available() -> bool:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] (one query token per row) over the paged caches [blocks, bs, Hkv, D] -> [B, Hq, D]."""
+    """q [B, Hq, D] (one query token per row) over the paged caches [blocks, bs, Hkv, D] -> [B, Hq, D].
+    q float32 or bfloat16; the caches q's dtype, or bfloat16 under float32 q (kv_cache_dtype)."""
     fn = _kernel()
     if fn is None:
         raise RuntimeError("the CPU decode-attention kernel could not be built (see the log)")
@@ -38,8 +40,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     nblocks, bs, hkv, dk = k_cache.shape
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         raise ValueError("CPU kernel: tensors must be on the CPU")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}: need one of float32/bfloat16")
+    if q.dtype not in _DTYPES or k_cache.dtype not in (q.dtype, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}: need float32/bfloat16 q "
+                         "over caches of its dtype or bfloat16")
     if v_cache.shape != k_cache.shape or dk != d or hq % hkv:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -56,7 +59,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     vs = (ctypes.c_int64 * 3)(*v_cache.stride()[:3])
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), b, hq, hkv, d, bs, tables.shape[1], nblocks, ks, vs, float(scale),
-            _DTYPES[q.dtype], torch.get_num_threads())
+            _DTYPES[q.dtype], _DTYPES[k_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"CPU decode attention failed: {_ERRORS.get(rc, rc)}")
     return out

@@ -2,7 +2,7 @@
 
 `build(...)` takes the model's tensors once and returns a `DecodeLayers`, or None when a layer is
 not what the C stack runs (a weight not packed for kernels/cpu/cpu_gemm.c, a gate_up that cannot take
-the SwiGLU epilogue, non-fp32 or non-contiguous caches): the model then keeps its module path.
+the SwiGLU epilogue, caches neither fp32 nor bf16, or non-contiguous): the model then keeps its module path.
 Reference: the same model run layer by layer through the CPU backend's kernels, which gives the
 same bits (tests/kernels/test_kernels_cpu_decode_layers.py).
 """
@@ -28,8 +28,8 @@ _ERRORS = {-1: "out of memory", -2: "the all-reduce between layers failed", -101
 
 class _Dims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "hidden", "inter", "nh", "nkv", "hd", "block_size",
-                                              "num_blocks", "max_pos")] + [("eps", ctypes.c_float),
-                                                                            ("scale", ctypes.c_float)]
+                                              "num_blocks", "max_pos", "kv_dtype")] + [("eps", ctypes.c_float),
+                                                                                        ("scale", ctypes.c_float)]
 
 
 class _Layer(ctypes.Structure):
@@ -72,14 +72,23 @@ def _fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
-def _layer_ok(lay: dict, hidden: int, qkv_n: int, cache_shape) -> bool:
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the stack takes (dims_t.kv_dtype)
+
+
+def _cache_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
+    """A contiguous CPU cache of the first layer's K cache's shape and dtype (fp32 or bf16)."""
+    return (t.dtype == like.dtype and t.dtype in KV_DTYPES and t.device.type == "cpu" and t.is_contiguous()
+            and t.shape == like.shape)
+
+
+def _layer_ok(lay: dict, hidden: int, qkv_n: int, cache: torch.Tensor) -> bool:
     packed = [lay[n] for n in WEIGHTS]  # fp32 panels (cpu_gemm.c) or quantized ones (cpu_qgemm.c)
     return (all(isinstance(w, (cpu_gemm.PackedWeight, cpu_qgemm.QPackedWeight)) for w in packed)
             and lay["gate_up"].swiglu_fusable
             and all(w.bias is None for w in packed[1:]) and lay["qkv"].n == qkv_n and lay["o"].n == hidden
             and lay["qkv"].k == hidden and lay["gate_up"].k == hidden and lay["down"].n == hidden
             and all(_fp32(lay[n]) and lay[n].shape == (hidden,) for n in ("ln1", "ln2"))
-            and all(_fp32(lay[n]) and lay[n].shape == cache_shape for n in ("k_cache", "v_cache")))
+            and all(_cache_ok(lay[n], cache) for n in ("k_cache", "v_cache")))
 
 
 def _panels(w) -> int | None:
@@ -140,15 +149,16 @@ def build(layers: list[dict], final_norm: torch.Tensor, *, num_heads: int, num_k
     if not layers or _kernel() is None or not _fp32(final_norm) or num_heads % num_kv_heads or head_dim % 2:
         return None  # (GQA groups and rotary halves: the module path's kernels refuse these with an error)
     hidden = final_norm.shape[0]
-    cache_shape = layers[0]["k_cache"].shape
+    cache = layers[0]["k_cache"]
+    cache_shape = cache.shape
     qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
     if (len(cache_shape) != 4 or tuple(cache_shape[2:]) != (num_kv_heads, head_dim)
-            or not all(_layer_ok(lay, hidden, qkv_n, cache_shape) for lay in layers)):
+            or not all(_layer_ok(lay, hidden, qkv_n, cache) for lay in layers)):
         return None
     inter = layers[0]["gate_up"].n // 2
     if any(lay["gate_up"].n != 2 * inter or lay["down"].k != inter or lay["o"].k != num_heads * head_dim
            for lay in layers):
         return None
     dims = _Dims(len(layers), hidden, inter, num_heads, num_kv_heads, head_dim, cache_shape[1], cache_shape[0],
-                 max_pos, eps, scale)
+                 max_pos, KV_DTYPES[cache.dtype], eps, scale)
     return DecodeLayers(layers, final_norm, dims, all_reduce)

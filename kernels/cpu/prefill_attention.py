@@ -1,4 +1,5 @@
-"""Launcher for kernels/cpu/cpu_prefill_attention.c: causal attention of prefill chunks, fp32.
+"""Launcher for kernels/cpu/cpu_prefill_attention.c: causal attention of prefill chunks, fp32
+activations over fp32 or bf16 caches.
 
 Reference: kernels/ref.py `prefill_rows` (one SDPA per sequence over gathered K/V);
 tests/kernels/test_kernels_cpu_prefill.py compares the two.
@@ -13,6 +14,7 @@ import torch
 from genpool.kernels import ref
 from genpool.kernels.cpu import build as cpu_build
 
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches it reads (kernel's kv_dtype)
 _ERRORS = {-1: "out of memory", -2: "block id out of range", -3: "sequence lengths outside their block table",
            -4: "unsupported shape"}
 
@@ -23,7 +25,7 @@ def _kernel():
     return cpu_build.function(
         "cpu_prefill_attention", "paged_prefill_attention",
         [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-         ctypes.POINTER(i64), ctypes.POINTER(i64), ctypes.c_float, ctypes.c_int], ctypes.c_int)
+         ctypes.POINTER(i64), ctypes.POINTER(i64), ctypes.c_float, ctypes.c_int, ctypes.c_int], ctypes.c_int)
 
 
 def available() -> bool:
@@ -31,10 +33,10 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """fp32 on the CPU, a head size the 16-wide tiles cover and at most 64 query heads per kv head;
-    anything else takes the reference."""
+    """fp32 q over fp32 or bf16 caches on the CPU, a head size the 16-wide tiles cover and at most 64
+    query heads per kv head; anything else takes the reference."""
     hq, hkv = q.shape[1], k_cache.shape[2]
-    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
+    return (q.dtype == torch.float32 and k_cache.dtype in _KV_DTYPES and q.device.type == "cpu"
             and k_cache.device.type == "cpu" and q.shape[-1] % 16 == 0 and hq % hkv == 0 and hq // hkv <= 64)
 
 
@@ -50,8 +52,10 @@ def prefill_rows(q, k_cache, v_cache, tables, q_starts, q_lens, kv_lens, scale, 
     nblocks, bs, hkv, dk = k_cache.shape
     if v_cache.shape != k_cache.shape or dk != d:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
-    if any(x.dtype != torch.float32 or x.device.type != "cpu" for x in (v_cache, out)) or tables.device.type != "cpu":
-        raise ValueError(f"v_cache {v_cache.dtype}, out {out.dtype}: the kernel writes CPU float32")
+    if (v_cache.dtype != k_cache.dtype or out.dtype != torch.float32 or v_cache.device.type != "cpu"
+            or out.device.type != "cpu" or tables.device.type != "cpu"):
+        raise ValueError(f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}, out {out.dtype}: the kernel reads "
+                         "caches of one dtype and writes CPU float32")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or not q.is_contiguous() or not out.is_contiguous():
         raise ValueError("q and out must be contiguous, the KV caches need a contiguous last dimension")
     n = len(q_lens)
@@ -67,7 +71,7 @@ def prefill_rows(q, k_cache, v_cache, tables, q_starts, q_lens, kv_lens, scale, 
     vs = (ctypes.c_int64 * 3)(*v_cache.stride()[:3])
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
             tables.shape[1], starts.data_ptr(), qls.data_ptr(), kvls.data_ptr(), n, hq, hkv, d, bs, nblocks,
-            ks, vs, float(scale), torch.get_num_threads())
+            ks, vs, float(scale), _KV_DTYPES[k_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"CPU prefill attention failed: {_ERRORS.get(rc, rc)}")
     return None

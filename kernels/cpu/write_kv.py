@@ -1,6 +1,6 @@
 """Launcher for kernels/cpu/cpu_write_kv.c (scatter K/V rows into the paged caches); reference:
-ref.write_kv, which this falls back to for what the C kernel does not take (dtype casts,
-non-contiguous caches or rows)."""
+ref.write_kv, which this falls back to for what the C kernel does not take (casts other than
+fp32 rows into a bf16 cache, non-contiguous caches or rows)."""
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +15,7 @@ from genpool.kernels.cpu import build as cpu_build
 @cache
 def _kernel():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return cpu_build.function("cpu_write_kv", "write_kv", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64],
+    return cpu_build.function("cpu_write_kv", "write_kv", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int],
                               ctypes.c_int)
 
 
@@ -24,9 +24,17 @@ def available() -> bool:
 
 
 def _rows_ok(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    # [T, Hkv, D] with each token's heads contiguous, same dtype as the cache
-    return (x.dim() == 3 and x.shape[1:] == cache.shape[2:] and x.dtype == cache.dtype
+    # [T, Hkv, D] with each token's heads contiguous; the cache's dtype, or fp32 into a bf16 cache
+    return (x.dim() == 3 and x.shape[1:] == cache.shape[2:] and _to_bf16(x, cache) is not None
             and x.stride(2) == 1 and x.stride(1) == x.shape[2])
+
+
+def _to_bf16(x: torch.Tensor, cache: torch.Tensor) -> bool | None:
+    """False: a plain copy; True: fp32 rows rounded into a bf16 cache; None: a cast the C kernel
+    does not do."""
+    if x.dtype == cache.dtype:
+        return False
+    return True if (x.dtype, cache.dtype) == (torch.float32, torch.bfloat16) else None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,7 +52,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} for {k.shape[0]} rows")
     nslots = k_cache.shape[0] * k_cache.shape[1]
     rc = fn(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
-            k.shape[1] * k.shape[2], k.stride(0), v.stride(0), nslots, k.element_size())
+            k.shape[1] * k.shape[2], k.stride(0), v.stride(0), nslots, k_cache.element_size(),
+            int(bool(_to_bf16(k, k_cache))))
     if rc != 0:
         raise ValueError(f"a slot lies outside the KV cache of {nslots} slots")
     return None

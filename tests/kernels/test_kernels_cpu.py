@@ -41,6 +41,18 @@ def test_decode_attention_matches_reference_fp32(rows, hq, hkv, d, bs, lens):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("lens", [[1, 15, 16, 100, 333, 64], list(range(20, 820, 20))])
+def test_fp32_queries_over_bf16_caches_give_the_bits_of_their_fp32_widening(lens):
+    """kv_cache_dtype bfloat16 under an fp32 model: K/V are widened exactly as they are read, so
+    the result is the fp32 kernel's over the widened caches, bit for bit (every thread count)."""
+    q, k, v, ids, lens_t = make_case(len(lens), 9, 3, 64, 16, lens, torch.float32, seed=2)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    got = cpu_decode_attention.decode_attention(q, kb, vb, ids, lens_t, 0.125)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, cpu_decode_attention.decode_attention(q, kb.float(), vb.float(), ids, lens_t, 0.125))
+    torch.testing.assert_close(got, ref._decode_rows(q, kb, vb, ids, lens_t, 0.125), atol=2e-5, rtol=2e-5)
+
+
 def test_decode_attention_bf16_within_one_ulp_of_fp32():
     q, k, v, ids, lens = make_case(6, 9, 3, 64, 16, [1, 15, 16, 100, 333, 64], torch.bfloat16, seed=1)
     exact = ref._decode_rows(q.float(), k.float(), v.float(), ids, lens, 0.125)
@@ -87,6 +99,8 @@ def test_length_beyond_the_block_table_is_refused():
 
 @pytest.mark.parametrize("change,match", [
     (lambda c: dict(c, q=c["q"].to(torch.float16)), "dtypes"),
+    (lambda c: dict(c, q=c["q"].bfloat16()), "dtypes"),  # bf16 q over fp32 caches: no such engine
+    (lambda c: dict(c, v_cache=c["v_cache"].bfloat16()), "dtypes"),  # K and V of different dtypes
     (lambda c: dict(c, v_cache=c["v_cache"][:, :, :, :32].contiguous()), "shapes"),
     (lambda c: dict(c, q=c["q"][:, :8]), "shapes"),
     (lambda c: dict(c, block_tables=c["block_tables"][:1]), "block_tables"),
@@ -210,6 +224,21 @@ def test_write_kv_refuses_slots_outside_the_cache_and_falls_back_for_casts():
     with pytest.raises(ValueError, match="outside the KV cache"):
         cpu_write_kv.write_kv(k, v, *cache, torch.tensor([3, 64]))
     assert not cache[0].any()  # checked before anything is written
-    bf = [torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
-    cpu_write_kv.write_kv(k, v, *bf, torch.tensor([3, 9]))  # fp32 rows into a bf16 cache: the reference casts
-    assert torch.equal(bf[0].view(-1, 3, 64)[9], k[1].bfloat16())
+    half = [torch.zeros(4, 16, 3, 64, dtype=torch.float16) for _ in range(2)]
+    cpu_write_kv.write_kv(k, v, *half, torch.tensor([3, 9]))  # a cast the kernel does not do: the reference's
+    assert torch.equal(half[0].view(-1, 3, 64)[9], k[1].half())
+
+
+def test_write_kv_rounds_fp32_rows_into_a_bf16_cache_as_torch_does():
+    """kv_cache_dtype bfloat16: the C kernel rounds each element to nearest even, as .bfloat16()."""
+    qkv = torch.randn(5, 15 * 64) * 3
+    k, v = torch.randn(5, 3, 64) * 100, qkv[:, 12 * 64:].view(5, 3, 64)
+    k[0, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.0e38])  # ties, a large value
+    slots = torch.tensor([2, -1, 17, 40, 0])
+    got = [torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    cpu_write_kv.write_kv(k, v, *got, slots)
+    flat = [c.view(-1, 3, 64) for c in got]
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[0][s], k[i].bfloat16()) and torch.equal(flat[1][s], v[i].bfloat16())
+    assert not flat[0][1].any()

@@ -19,8 +19,8 @@ def _seq(tokens, computed, table):
                            step_token_ids=lambda n: tokens[computed:computed + n])
 
 
-def _runner(path, blocks=32):
-    runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=blocks), path, 256)
+def _runner(path, blocks=32, kv_cache_dtype="auto"):
+    runner = ModelRunner(EngineConfig(model=str(path), num_kv_blocks=blocks, kv_cache_dtype=kv_cache_dtype), path, 256)
     assert runner.kern.name == "cpu" and runner.decode_stack is not None
     return runner
 
@@ -73,9 +73,12 @@ def _decode_steps_match(runner, seqs, steps=3):
             s.num_computed_tokens += 1
 
 
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
-def test_the_stack_gives_the_module_paths_bits(fixture, request):
-    runner = _runner(request.getfixturevalue(fixture))
+def test_the_stack_gives_the_module_paths_bits(fixture, kv, request):
+    """bfloat16: a bf16 KV cache under the fp32 model, written rounded and read widened on both paths."""
+    runner = _runner(request.getfixturevalue(fixture), kv_cache_dtype=kv)
+    assert runner.kv_caches[0][0].dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
     # the 16-token one starts a new block at the first step, the 47-token one at the second
     _decode_steps_match(runner, _prefilled(runner, [5, 16, 31, 47]))
 
@@ -110,8 +113,10 @@ def test_build_declines_what_the_stack_cannot_run(tiny_llama_path):
     runner = _runner(tiny_llama_path)
     layers, norm, kw = _stack_inputs(runner)
     assert cpu_decode_layers.build(layers, norm, **kw) is not None
-    bf16 = [dict(lay, k_cache=lay["k_cache"].bfloat16(), v_cache=lay["v_cache"].bfloat16()) for lay in layers]
-    assert cpu_decode_layers.build(bf16, norm, **kw) is None
+    half = [dict(lay, k_cache=lay["k_cache"].half(), v_cache=lay["v_cache"].half()) for lay in layers]
+    assert cpu_decode_layers.build(half, norm, **kw) is None  # fp16 caches: the stack reads fp32 or bf16
+    mixed = [dict(lay, v_cache=lay["v_cache"].bfloat16()) for lay in layers]
+    assert cpu_decode_layers.build(mixed, norm, **kw) is None  # K and V of different dtypes
     unpacked = [dict(lay, o=(torch.zeros(64, 64), None)) for lay in layers]  # the torch backend's layout
     assert cpu_decode_layers.build(unpacked, norm, **kw) is None
     biased = cpu_decode_layers.cpu_gemm.PackedWeight(torch.zeros(64, 64), torch.ones(64))

@@ -127,3 +127,19 @@ def test_backend_routes_a_mixed_batch(monkeypatch):
     got = get_backend("cpu").paged_attention(q, k, v, tables, qsl, lens, 0.125)
     want = ref.paged_attention(q, k, v, tables, qsl, lens, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("seqs", [[(37, 37), (17, 40)], [(200, 700)]])
+def test_bf16_caches_give_the_bits_of_their_fp32_widening(seqs):
+    """kv_cache_dtype bfloat16: the kernel widens K/V exactly while packing, so fp32 q over bf16
+    caches is the fp32 kernel over those caches widened to fp32, bit for bit."""
+    q, k, v, tables, starts, qls, kvls = make(seqs, 9, 3, 64, 16, seed=5)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    assert cpu_prefill_attention.supports(q, kb)
+    got, want = torch.zeros_like(q), torch.zeros_like(q)
+    cpu_prefill_attention.prefill_rows(q, kb, vb, tables, starts, qls, kvls, 0.125, got)
+    cpu_prefill_attention.prefill_rows(q, kb.float(), vb.float(), tables, starts, qls, kvls, 0.125, want)
+    assert torch.equal(got, want)
+    ref_out = torch.zeros_like(q)  # the reference widens the gathered K/V to q's dtype
+    ref.prefill_rows(q, kb, vb, tables, starts, qls, kvls, 0.125, ref_out)
+    torch.testing.assert_close(got, ref_out, rtol=1e-4, atol=2e-5)
