@@ -63,7 +63,7 @@ class Admission:
                 if self.keeper.holds(e):  # ours already (a reclaim can return our own entry)
                     continue
                 self.keeper.hold(e)
-                self.router.note(e)
+                self.router.inbox.note(e)  # ours, never a hand-off
             if Preparer.is_big(e):
                 self.preparer.submit(e)
             else:

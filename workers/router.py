@@ -8,10 +8,9 @@ moved to the peer's consumer name (XCLAIM <lane> workers <peer> 0 <id> JUSTID: o
 delivery charged). No lease has been taken yet (routing runs before CLAIM_LUA), and the puller
 stops refreshing the entry in the same lock the lease keeper refreshes under.
 
-The peer finds handed-off entries in its own PEL (XPENDING ... <its name>, in the same pipeline
-as its lane reads), holds them at once (so their idle time stays fresh while it lives), queues
-them as its backlog and admits them as capacity frees, like new entries; it never hands them on
-(only entries read fresh are routed, so no job moves twice). If the peer dies or stalls, the
+The peer finds handed-off entries in its own PEL, holds them, queues them as its backlog and
+admits them as capacity frees (its `Inbox`, workers/inbox.py); it never hands them on (only
+entries read fresh are routed, so no job moves twice). If the peer dies or stalls, the
 entry's idle time grows and the usual XAUTOCLAIM recovery gives it to another worker after
 claim_idle_ms: nothing is lost, and the job hash's fencing keeps exactly one result.
 """
@@ -19,25 +18,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
-from functools import partial
-from typing import Any, Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 import redis
 
 from genpool.engine.block_manager import prompt_block_hashes
-from genpool.schemas import LANES, Keys
+from genpool.schemas import Keys
 from genpool.schemas.routing import PeerLoad
-from genpool.schemas.scripting import pipelined
-from genpool.workers.job import Entry, Job
+from genpool.workers.inbox import Inbox
+from genpool.workers.job import Job
 from genpool.workers.lease import LeaseKeeper
 from genpool.workers.prefix_index import INDEX_CAP, PrefixIndex
 from genpool.workers.routing import HOWS, Candidate, RouteParams, route
-from genpool.workers.streams import entries_from, s
 from genpool.workers.worker_config import WorkerConfig
 
 log = logging.getLogger("genpool.worker")
-SEEN_CAP = 65536  # entry ids a worker remembers having held (so its own are never "handed")
 
 
 class RouterHost(Protocol):
@@ -54,7 +49,7 @@ class RouterHost(Protocol):
 
 
 class Router:
-    """The worker's side of routing: publish, route new entries, take handed-off ones."""
+    """The worker's side of routing: publish, route new entries; `inbox` takes handed-off ones."""
 
     def __init__(self, host: RouterHost, engine, r, cfg: WorkerConfig, keeper: LeaseKeeper):
         self.host, self.engine, self.r, self.keeper = host, engine, r, keeper
@@ -65,10 +60,10 @@ class Router:
         self.index = PrefixIndex(r, host.keys, cfg.name, cfg.prefix_index_s,
                                  min(cfg.heartbeat_s, cfg.claim_idle_ms / 3000))
         self.params = RouteParams(min_gain_tokens=cfg.route_min_gain_tokens)
-        self.backlog: deque[Entry] = deque()  # handed to us, held, waiting for capacity
         self.counts = {f"routed_{h}": 0 for h in HOWS}
         self.counts.update(handed_off=0, handed_in=0)
-        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # what peers hand us: found in our PEL, held, queued until capacity frees
+        self.inbox = Inbox(r, keeper, cfg.name, self.enabled, lambda: host.keys, self.counts)
         self._next_publish = 0.0
         self._view: dict[str, PeerLoad] = {}
         self._view_stale = 0
@@ -80,7 +75,7 @@ class Router:
 
     @property
     def waiting(self) -> int:
-        return len(self.backlog)
+        return len(self.inbox.backlog)
 
     # -- publishing --------------------------------------------------------------------------
     def publish_if_due(self) -> None:
@@ -100,72 +95,10 @@ class Router:
             self.index.touch()
 
     def load(self) -> PeerLoad:
-        return PeerLoad(free=self.host.capacity(), backlog=len(self.backlog),
+        return PeerLoad(free=self.host.capacity(), backlog=len(self.inbox.backlog),
                         slots=max(1, self.host.max_seqs),
                         job_tokens=round(self._own_job_tokens(), 1),
                         block_size=self.bm.block_size, model=self.model)
-
-    # -- handed-off entries (our PEL) --------------------------------------------------------
-    def note(self, e: Entry) -> None:
-        """An entry this worker holds (read, reclaimed): never mistake it for a hand-off."""
-        self._seen[(e.stream, e.entry_id)] = None
-        if len(self._seen) > SEEN_CAP:
-            self._seen.popitem(last=False)
-
-    def inbox_reads(self) -> list[Callable[[Any], None]]:
-        """The PEL reads, one command each, to queue BEFORE the lane reads of the same pipeline
-        (so entries that pipeline reads fresh are not in them); their replies go to inbox()."""
-        if not self.enabled:
-            return []
-        keys = self.host.keys
-        return [partial(_pending_of, stream=stream, group=keys.group, name=self.name)
-                for stream in keys.all_jobs()]
-
-    def inbox(self, replies: list) -> None:
-        """Hold the entries peers handed us (pending for us, never held by us)."""
-        keeper, new, keys = self.keeper, [], self.host.keys
-        for stream, pend in zip(keys.all_jobs(), replies):
-            for p in pend or []:
-                eid = s(p["message_id"])
-                if (stream, eid) in self._seen:
-                    continue
-                new.append((stream, eid, int(p["times_delivered"])))
-        if not new:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for stream, eid, _ in new:
-            pipe.xrange(stream, min=eid, max=eid, count=1)
-        for (stream, eid, times), got in zip(new, pipe.execute()):
-            for e in entries_from([(stream, got)], keys, deliveries=max(1, times)):
-                if keeper.holds(e):
-                    continue
-                e.origin = "handed"
-                keeper.hold(e)
-                self.note(e)
-                self.backlog.append(e)
-                self.counts["handed_in"] += 1
-            self.note(Entry(stream, "", eid, {}))  # deleted meanwhile: do not look again
-
-    def read_inbox_now(self) -> None:
-        if not self.enabled:
-            return
-        reads = self.inbox_reads()
-        if reads:
-            self.inbox(pipelined(self.r, reads, _call, raise_errors=True))
-
-    def take(self, n: int, high_burst: int = 0) -> list[Entry]:
-        """Up to n backlog entries to admit now, interactive ones first; interactive ones also
-        beyond n, up to `high_burst` (as the high lane is read: the engine preempts for them, so
-        one handed over on a stale view of our free slots still never waits for a slot)."""
-        if not self.backlog:
-            return []
-        order = sorted(self.backlog, key=lambda e: LANES.index(e.lane))
-        out, rest = [], []
-        for e in order:
-            room = max(n, 0) + (high_burst if e.lane == "high" else 0)
-            (out if len(out) < room else rest).append(e)
-        self.backlog = deque(rest)
-        return out
 
     # -- routing new entries -----------------------------------------------------------------
     def route(self, parsed: list[Job]) -> list[Job]:
@@ -197,8 +130,8 @@ class Router:
 
             def per_job(cached: int) -> float:
                 return max(len(ids) - cached, bs) + gen
-            local = Candidate(self.name, here, local_free, len(self.backlog), per_job(here),
-                              self.host.max_seqs)
+            local = Candidate(self.name, here, local_free, len(self.inbox.backlog),
+                              per_job(here), self.host.max_seqs)
             others = [Candidate(n, hits.get(n, 0), d.free, d.backlog, per_job(hits.get(n, 0)),
                                 d.slots) for n, d in peers.items()]
             d = route(len(ids), local, others, p.entry.lane == "high", self.params, index_ok)
@@ -284,12 +217,12 @@ class Router:
             return
         try:
             self.index.leave()
-            if self.backlog:
+            if self.inbox.backlog:
                 self._view_at = -1e9
                 peers = self._peers()
                 target = min(peers, key=lambda n: peers[n].backlog, default=None)
-                entries = list(self.backlog)
-                self.backlog.clear()
+                entries = list(self.inbox.backlog)
+                self.inbox.backlog.clear()
 
                 def claim():
                     if target is None:
@@ -306,8 +239,8 @@ class Router:
 
     def status(self) -> dict:
         """For the heartbeat (another thread): counters and the loop's last snapshot only."""
-        return {**self.counts, "backlog": len(self.backlog), "prefix_hit_rate": self._hit_rate,
-                "prefix_routing": self.enabled}
+        return {**self.counts, "backlog": len(self.inbox.backlog),
+                "prefix_hit_rate": self._hit_rate, "prefix_routing": self.enabled}
 
 
 def _charge(load: PeerLoad, n: int) -> None:
@@ -317,11 +250,3 @@ def _charge(load: PeerLoad, n: int) -> None:
     load.free -= take
     load.backlog += n - take
 
-
-
-def _pending_of(pipe, stream: str, group: str, name: str) -> None:
-    pipe.xpending_range(stream, group, "-", "+", 512, consumername=name)
-
-
-def _call(pipe, queue) -> None:
-    queue(pipe)

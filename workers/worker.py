@@ -1,10 +1,12 @@
 """The resident worker: Redis lane streams -> one engine -> per-job Redis event streams.
 
 Read `Worker.run` and `Worker.tick` top to bottom; each line is one stage of a step. The worker
-composes its parts: `Admission` (workers/admit.py) turns entries into jobs, `JobTable`
-(workers/jobs.py) holds them and ends each one, the `Outbox` and `Publisher` write, the
-`LeaseKeeper` renews, the `Router` routes by prefix, `Recovery` rides out a lost Redis. Every
-Redis key comes from genpool.schemas.keys; docs/protocol.md describes the wire format.
+composes its parts: `LaneReads` (workers/lane_reads.py) fetches entries, `Admission`
+(workers/admit.py) turns them into jobs, `JobTable` (workers/jobs.py) holds them and ends each
+one, the `OutputCollector` (workers/collect.py) turns engine outputs into events, the `Outbox`
+and `Publisher` write, the `LeaseKeeper` renews, the `Router` routes by prefix (its `Inbox`
+takes peers' hand-offs), `Recovery` rides out a lost Redis. Every Redis key comes from
+genpool.schemas.keys; docs/protocol.md describes the wire format.
 """
 from __future__ import annotations
 
@@ -21,15 +23,16 @@ import redis
 
 from genpool.engine.protocol import Engine
 from genpool.schemas import LANES, Keys
-from genpool.schemas.scripting import pipelined
 from genpool.schemas.workers import WorkerInfo
 from genpool.workers.admission import Admitter
 from genpool.workers.admit import Admission
 from genpool.workers.caps import ConcurrencyCaps
-from genpool.workers.fair import FAIR_READ, FairPull
+from genpool.workers.collect import OutputCollector
+from genpool.workers.fair import FairPull
 from genpool.workers.heartbeat import Heartbeat
-from genpool.workers.job import DONE, Entry, Outcome
+from genpool.workers.job import Entry
 from genpool.workers.jobs import JobTable
+from genpool.workers.lane_reads import LaneReads
 from genpool.workers.lease import LeaseKeeper
 from genpool.workers.observe import Observers
 from genpool.workers.outbox import Outbox
@@ -40,7 +43,6 @@ from genpool.workers.streams import (
     ControlReader,
     ensure_groups,
     entries_from,
-    lane_budgets,
     own_pending,
     publish_shards,
     reclaim,
@@ -57,7 +59,7 @@ class Worker:
         # busy loop time vs time inside engine.step(): the queue's overhead, shown in heartbeats;
         # stall_max_s: the longest time a tick kept a busy engine from stepping
         self.timing = {"busy_s": 0.0, "engine_s": 0.0, "stall_max_s": 0.0}
-        self.steps, self.idle_reads, self.started = 0, 0, False  # idle_reads: the next shard
+        self.steps, self.started = 0, False
         self.step_ends: deque[float] = deque(maxlen=256)  # wall-clock end of recent steps
         self.stopping, self.drain_deadline = False, float("inf")
         self._stop_event = threading.Event()
@@ -77,6 +79,7 @@ class Worker:
         self.caps = ConcurrencyCaps(r, keys, cfg.claim_idle_ms, self.name)
         self.jobs = JobTable(engine, self.outbox, self.keeper, r, keys, self.name,
                              self.observers, self.counts, self.caps.release)
+        self.collector = OutputCollector(self.jobs, self.outbox, self.observers, self.step_ends)
         self.router = Router(self, engine, r, cfg, self.keeper)  # prefix-aware routing
         self.fair = FairPull(self.name)  # tenants' sub-streams, weights (workers/fair.py)
         self.recovery = Recovery(r, self.publisher, self.outbox, self.jobs, self.counts,
@@ -87,6 +90,8 @@ class Worker:
             self.jobs, self.keeper, self.router, self.observers, self.recovery.writes_refused,
             self.caps)
         self.control = ControlReader(keys)
+        self.lanes = LaneReads(r, self.name, cfg.idle_block_ms, self.control, self.fair,
+                               self.caps, self.router.inbox)  # workers/lane_reads.py
         self.next_upkeep, self.reclaim_owed = 0.0, False  # see upkeep
 
     @property
@@ -142,7 +147,7 @@ class Worker:
         self.admission.run_solo(self._flush)  # a suspect job starts once the engine is empty
         cancels, entries = self.poll()  # one round trip while full: control + high lane
         self.jobs.cancel(cancels)  # aborts within this step, frees the KV blocks
-        handed = [] if self.stopping or self.jobs.solo_busy else self.router.take(
+        handed = [] if self.stopping or self.jobs.solo_busy else self.router.inbox.take(
             self.capacity(backlog=False) - len(entries), self.cfg.high_burst)  # peers' hand-offs
         self.admission.admit(entries + handed)  # validate, route, claim, engine.add_request
         self.jobs.expire()  # deadlines passed while running
@@ -194,63 +199,20 @@ class Worker:
         entries: list[Entry] = []
         idle = not (self.jobs or self.engine.has_unfinished_requests() or len(self.outbox))
         if idle and free > 0:  # nothing to step: wait for work (bounded, so upkeep still runs)
-            entries = self._blocking_read(free)
+            entries = self.lanes.blocking_read(self.keys, free)
             if not entries:
-                self.router.read_inbox_now()  # a peer may have handed us jobs meanwhile
+                self.router.inbox.read_now()  # a peer may have handed us jobs meanwhile
                 return self.control.read(self.r), []
             free -= len(entries)
         held = len(self.jobs) + len(entries)
         high = 0 if self.stopping or self.jobs.solo_busy else min(
             free + self.cfg.high_burst, self.max_seqs + self.cfg.high_burst - held)
-        control, lanes = self._control_and_lanes(max(0, high), max(0, free))
+        control, lanes = self.lanes.control_and_lanes(self.keys, max(0, high), max(0, free),
+                                                      self.steps)
         entries += entries_from(lanes, self.keys)
         for e in entries:
             e.origin = "new"  # read fresh: routing may hand it to a peer (once, never again)
         return self.control.cancels(control), sorted(entries, key=lambda e: LANES.index(e.lane))
-
-    def _control_and_lanes(self, high: int, free: int) -> tuple:
-        """The control read, the router's look at our PEL (entries peers handed us) and
-        FAIR_READ_LUA (READ_LUA with tenants' fair turns: workers/fair.py) once per lane
-        shard, in one pipeline round trip (one per node in a cluster)."""
-        inbox = self.router.inbox_reads()
-        reads = [self.control.queue_read, *inbox]
-        for shard, h, f in lane_budgets(self.keys.lane_shards, high, free, self.steps):
-            reads.append(lambda pipe, shard=shard, h=h, f=f: self.fair.queue_read(
-                pipe, self.keys, shard, h, f, self.caps.full))
-        control, *rest = pipelined(self.r, reads, lambda pipe, q: q(pipe), [FAIR_READ],
-                                   raise_errors=True)
-        if inbox:
-            self.router.inbox(rest[:len(inbox)])
-        return control, [stream for reply in rest[len(inbox):] for stream in reply or []]
-
-    def _blocking_read(self, free: int) -> list[Entry]:
-        # One BLOCK call over one shard's lanes (one hash slot, so a cluster allows it), a
-        # different shard each time; COUNT applies per stream, so split the room three ways.
-        shards = self.keys.lane_shards
-        shard = self.idle_reads % shards
-        lanes = self.keys.shard_lanes(shard)
-        self.idle_reads += 1
-        # tenants' sub-streams wake no blocked read: look at the shard's fair turns first, taking
-        # no more than the blocking read below would (a third of the room): an idle worker that
-        # took every queued job would leave its peers (and prefix routing) nothing
-        n = max(1, free // len(LANES))
-        entries = entries_from(pipelined(self.r, [shard], lambda pipe, k: self.fair.queue_read(
-            pipe, self.keys, k, n, n, self.caps.full), [FAIR_READ], raise_errors=True)[0],
-            self.keys)
-        if entries:
-            for e in entries:
-                self.router.note(e)
-            return entries
-        # with routing on, a peer may hand this idle worker a job (an XCLAIM, which wakes no
-        # blocked read): wait at most 50 ms between looks at our own pending entries
-        block = min(self.cfg.idle_block_ms, 50) if self.router.enabled else self.cfg.idle_block_ms
-        block = self.fair.idle_block_ms(block)  # while tenants exist, look again soon
-        reply = self.r.xreadgroup(self.keys.group, self.name, {k: ">" for k in lanes},
-                                  count=max(1, free // len(LANES)), block=max(10, block // shards))
-        entries = entries_from(reply, self.keys)  # poll() orders by lane
-        for e in entries:  # ours, not a hand-off, when the next pipeline lists our PEL
-            self.router.note(e)
-        return entries
 
     def step_and_publish(self) -> None:
         if self.engine.has_unfinished_requests():
@@ -260,41 +222,9 @@ class Worker:
             self.steps += 1
             self.step_ends.append(time.time())
             for out in outputs:
-                self._collect(out)
+                self.collector.collect(out)  # token events into the outbox, ends into the table
         self.publisher.wait()  # the previous step's writes (overlapped with this step's compute)
         self.publisher.submit(self.outbox.take())
-
-    def _collect(self, out) -> None:
-        job = self.jobs.of_output(out.request_id)
-        if job is None:
-            return
-        if out.prompt_token_ids:
-            job.prompt_tokens = len(out.prompt_token_ids)
-        if out.error is not None:  # the engine failed this request alone (e.g. its grammar did
-            # not compile, or its parameters made its logits non-finite); the batch ran on
-            log.warning("job %s failed in the engine: %s", job.id, out.error.message)
-            self.jobs.finish(job, Outcome.failed(out.error.code, out.error.message),
-                             engine_ended=True)
-            return
-        if out.prompt_logprobs is not None:
-            job.prompt_scores = self.jobs.prompt_scores(out.prompt_token_ids, out.prompt_logprobs,
-                                                     out.prompt)
-        for c in out.outputs:
-            ev = job.add_delta(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs)
-            if ev is not None:
-                if c.index == 0 and out.prompt_logprobs is not None:  # streamed echo reads it
-                    ev.prompt = job.prompt_scores
-                if ev.logprobs:  # their tokens' texts, for readers without the tokenizer
-                    ev.token_texts = self.jobs.token_texts(ev.logprobs)
-                    job.token_texts.update(ev.token_texts)
-                if not job.recorded:  # what a worker that takes the job over must know
-                    ev.model_identity, ev.seed, job.recorded = self.jobs.identity_doc, out.seed, True
-                if job.ttft_steps is None and not job.resumed:  # engine steps since arrival
-                    job.ttft_steps = sum(t > job.entry.enqueued_at for t in self.step_ends)
-                self.outbox.token(job, ev)
-                self.observers.emit("job_token", job, ev)
-        if out.finished:
-            self.jobs.finish(job, DONE, engine_ended=True)
 
     def _flush(self) -> None:
         """Every write so far, sent and landed."""
