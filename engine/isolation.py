@@ -4,12 +4,15 @@ one caller's request cannot hurt anyone else's)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 from typing import Callable
 
 import torch
 
 from genpool.engine import step_rows
+from genpool.engine.scheduler import SchedulerOutput
 from genpool.engine.sequence import Sequence
+from genpool.engine.step_logits import StepLogits
 
 log = logging.getLogger("genpool.engine")
 
@@ -39,3 +42,18 @@ def bisect(execute: Execute, scheduled: Scheduled, exc: Exception | None,
         return []
     mid = len(scheduled) // 2
     return bisect(execute, scheduled[:mid], None, fail) + bisect(execute, scheduled[mid:], None, fail)
+
+
+def isolate(execute: Execute, sched: SchedulerOutput, exc: Exception,
+            fail: Callable[[Sequence, Exception], None], live: Container[str]) -> StepLogits:
+    """The forward pass of `sched` raised `exc`: bisect fails the request(s) that make it fail on
+    their own; sched.scheduled and sched.sampling are narrowed to everyone else (`live`: the
+    engine's request ids, read after the failures left it), whose logits come back."""
+    log.warning("engine step failed for a batch of %d (%s: %s); isolating the cause",
+                len(sched.scheduled), type(exc).__name__, exc)
+    parts = bisect(execute, sched.scheduled, exc, fail)
+    kept = [(seq, n, score, rows) for part, per in parts
+            for (seq, n), (score, rows) in zip(part, per) if seq.request_id in live]
+    sched.scheduled = [(seq, n) for seq, n, _, _ in kept]
+    sched.sampling = [seq for seq, _, _, rows in kept if rows is not None]
+    return StepLogits([score for _, _, score, _ in kept], rows=[rows for _, _, _, rows in kept])

@@ -26,11 +26,12 @@ are refused with a ValueError at add_request: such a log is not one this engine 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from genpool.engine.output_processor import new_detokenizer
-from genpool.engine.outputs import CompletionOutput
+from genpool.engine.outputs import CompletionOutput, RequestOutput
 from genpool.engine.request import Request
 from genpool.engine.sampling_params import SamplingParams
 from genpool.engine.scheduler import Scheduler
@@ -139,3 +140,20 @@ def finished_deltas(seqs: list[Sequence]) -> dict[int, CompletionOutput]:
     """The completions the resume found already finished, as deltas with no new tokens."""
     return {s.index: CompletionOutput(s.index, "", [], s.finish_reason, None, s.stop_reason)
             for s in seqs if s.is_finished}
+
+
+def report_finished(pending: list[Request], requests: dict[str, Request],
+                    counters: dict) -> list[RequestOutput]:
+    """Completions a resume found finished are reported by the next step (no new tokens); a
+    request with all of them finished ends there (it counts as unfinished until then).
+    `pending`: the requests add_request resumed with finished completions since the last step;
+    `requests`, `counters`: the engine's own (a finished request leaves the one, counts in the other)."""
+    outs = []
+    for req in pending:
+        if requests.get(req.request_id) is not req:  # aborted or failed meanwhile
+            continue
+        outs.append(req.delta_output(finished_deltas(req.seqs)))
+        if req.finished and requests.pop(req.request_id, None) is req:
+            req.metrics.finished_time = time.monotonic()
+            counters["requests_finished"] += 1
+    return outs
