@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Optional
 
-import redis
 import redis.asyncio as aredis
 
 from genpool.schemas import TERMINAL, JobResult, Keys
@@ -38,11 +37,8 @@ from .protocol import (
 )
 from .quotas import ProducerQuota
 from .replay import Gaps, Replay, read_events
+from .retry import RETRY
 from .waiting import RECONNECT_S, Watch, final_result
-
-# (a cluster's MOVED after a resharding: the next try goes to the key's new node)
-_RETRY = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-          redis.exceptions.TryAgainError, redis.exceptions.MovedError)
 
 
 async def _cancellable(aw):
@@ -65,7 +61,7 @@ async def _retrying(fn, attempts: int = 8):
     for i in range(attempts):
         try:
             return await _cancellable(fn())
-        except _RETRY:
+        except RETRY:
             if i == attempts - 1:
                 raise
             await asyncio.sleep(next(delays))
@@ -103,7 +99,7 @@ class AsyncJob:
                     xread_one(r, key, last, READ_COUNT, watch.block_ms(READ_BLOCK_MS)))
                 watch.redis_ok()
                 delays = backoff()
-            except _RETRY as e:
+            except RETRY as e:
                 watch.redis_failed(e)
                 resp = None
                 await asyncio.sleep(next(delays))

@@ -16,14 +16,8 @@ from genpool.schemas.workers import WorkerInfo
 
 from .batch import job_id_for
 from .liveness import serving
-from .openai_format import (
-    ENDPOINTS,
-    APIError,
-    OpenAIRequest,
-    completion_body,
-    error_from_event,
-    parse_body,
-)
+from .openai_format import ENDPOINTS, APIError, OpenAIRequest, error_from_event, parse_body
+from .openai_response import completion_body
 
 UNRUN_MESSAGE = {
     "batch_cancelled": "The batch was cancelled before this request finished.",

@@ -1,22 +1,17 @@
-"""Synchronous producer: submit jobs, stream their tokens, wait for results, cancel."""
+"""Synchronous producer: submit jobs, stream their tokens, wait for results, cancel.
+
+The Client submits and cancels; a job's reads (events, stream, result) are its Job handle's
+(producer/job.py, re-exported here).
+"""
 from __future__ import annotations
 
-import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import redis
 
-from genpool.schemas import (
-    TERMINAL,
-    JobResult,
-    Keys,
-    RestartEvent,
-    RewindEvent,
-    TokenEvent,
-    TrimmedEvent,
-)
+from genpool.schemas import Keys
 from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import REDIS_DOWN, backoff, connect, is_cluster, stored_shards, xread_one
+from genpool.schemas.connection import REDIS_DOWN, connect, is_cluster, stored_shards
 from genpool.schemas.scripting import Script, pipelined
 from genpool.schemas.scripts import (
     CANCEL_FLAG_LUA,
@@ -27,156 +22,27 @@ from genpool.schemas.scripts import (
     SUBMIT_UNDO_LUA,
 )
 from genpool.schemas.tenants import check_tenant
-from genpool.schemas.workers import WorkerInfo
 
 from . import openai_tools
-from .errors import JobFailed
 from .fair_submit import queue_enqueue, submit_keys
-from .liveness import live_workers, serving
+from .job import Job
 from .protocol import (
     CONTROL_MAXLEN,
     JOB_TTL_S,
-    READ_BLOCK_MS,
-    READ_COUNT,
     build_request,
     cancel_args,
     cancel_broadcast,
-    events_in,
-    last_terminal,
     submit_args,
-    terminal_from_hash,
 )
 from .quotas import ProducerQuota
-from .replay import Gaps, Replay, read_events
-from .waiting import RECONNECT_S, Watch, final_result
+from .retry import retrying
+from .waiting import RECONNECT_S
 
 PIPELINE_CHUNK = 500
 # The producer's scripts (schemas/scripts.py), shared by the sync and asyncio clients and by
 # producer/dead.py; each loads itself where a server lacks it (schemas/scripting.py).
 SUBMIT, SUBMIT_JOB, SUBMIT_UNDO = Script(SUBMIT_LUA), Script(SUBMIT_JOB_LUA), Script(SUBMIT_UNDO_LUA)
 CANCEL, CANCEL_FLAG = Script(CANCEL_LUA), Script(CANCEL_FLAG_LUA)
-# (a cluster's MOVED after a resharding: the next try goes to the key's new node)
-_RETRY = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-          redis.exceptions.TryAgainError, redis.exceptions.MovedError)
-
-
-class Job:
-    """Handle on one submitted job. `duplicate` is True when the id already existed.
-
-    `result()` raises JobFailed when the job failed (`raise_on_error=False` returns the JobResult
-    with `.error` instead); a cancelled job's result keeps the text streamed before the cancel,
-    with finish_reason "cancelled". Waits raise NoWorkers (a TimeoutError) when they end while no
-    live worker serves the job's model, and QueueUnavailable when Redis stays away (errors.py).
-    A job submitted with `tools` has its results' `tool_calls` and `content` filled in."""
-
-    def __init__(self, client: "Client", job_id: str, duplicate: bool = False,
-                 model: Optional[str] = None, tools: Optional[openai_tools.Tools] = None):
-        self.client, self.id, self.duplicate, self.model = client, job_id, duplicate, model
-        self.tools = tools  # how to read the answer (producer/openai_tools.py)
-        self._final: Optional[JobResult] = None
-
-    def __repr__(self) -> str:
-        return f"Job({self.id!r})"
-
-    def _watch(self, timeout: Optional[float], no_worker_s: Optional[float]) -> Watch:
-        c = self.client
-        return Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
-                     c.reconnect_s)
-
-    def serving_workers(self) -> list[WorkerInfo]:
-        """Live workers that would take this job (any model when the job names none)."""
-        return serving(live_workers(self.client.redis, self.client.keys), self.model)
-
-    def events(self, timeout: Optional[float] = None, start: str = "0-0",
-               no_worker_s: Optional[float] = None) -> Iterator[Any]:
-        """Raw events from `start` up to and including the terminal one (reconnects on loss),
-        with a TrimmedEvent where the stream's cap dropped events before they were read."""
-        r, key = self.client.redis, self.client.keys.events(self.id)
-        watch, last, delays = self._watch(timeout, no_worker_s), start, backoff()
-        gaps = Gaps(start)  # events the stream's cap dropped before this reader got to them
-        while True:
-            try:
-                if watch.check_due():
-                    watch.saw_workers(len(self.serving_workers()))
-                resp = xread_one(r, key, last, READ_COUNT, watch.block_ms(READ_BLOCK_MS))
-                watch.redis_ok()
-                delays = backoff()
-            except _RETRY as e:
-                watch.redis_failed(e)
-                resp = None
-                time.sleep(next(delays))
-            for entry_id, ev in read_events(resp, gaps):
-                last = entry_id or last
-                yield ev
-                if ev.type in TERMINAL:
-                    return
-            watch.after_read()
-
-    def stream(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
-               no_worker_s: Optional[float] = None
-               ) -> Iterator[TokenEvent | RestartEvent | RewindEvent | TrimmedEvent]:
-        """Token events from the start; a RestartEvent only if a rerun diverged (see replay.py);
-        a RewindEvent where a worker resumed the job from fewer tokens than this reader saw;
-        a TrimmedEvent where this reader fell so far behind that the stream's cap dropped events
-        unread (their text is then missing here, never from `result()`). Ends normally on a
-        result or a cancel; raises JobFailed on any other error."""
-        replay = Replay()
-        for raw in self.events(timeout, no_worker_s=no_worker_s):
-            for ev in replay.feed(raw):
-                if ev.type in TERMINAL:
-                    t = replay.tracks.get(0)
-                    self._final = openai_tools.attach(self.tools, final_result(
-                        self.id, ev, t.text if t else "", t.ids if t else [],
-                        raise_on_error=False))
-                else:
-                    yield ev
-        if raise_on_error and self._final is not None and self._final.finish_reason is None \
-                and self._final.error is not None:
-            raise JobFailed(self._final)
-
-    def result(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
-               no_worker_s: Optional[float] = None) -> JobResult:
-        if self._final is None:
-            self._final = openai_tools.attach(self.tools, self._wait_final(timeout, no_worker_s))
-        if raise_on_error and self._final.error is not None and self._final.finish_reason is None:
-            raise JobFailed(self._final)
-        return self._final
-
-    def _wait_final(self, timeout: Optional[float], no_worker_s: Optional[float]) -> JobResult:
-        # One MULTI: the stored result, or else the stream's last id to wait beyond; the worker
-        # writes both in one MULTI too, so nothing can slip between the two reads.
-        keys = self.client.keys
-
-        def snapshot():  # a fresh pipeline per try: execute() empties it even when it fails
-            pipe = self.client.redis.pipeline(transaction=True)
-            pipe.hmget(keys.job(self.id), "result", "error")
-            pipe.xrevrange(keys.events(self.id), count=1)
-            return pipe.execute()
-
-        (res, err), last = _retrying(snapshot)
-        final = terminal_from_hash(res, err) or last_terminal(last)
-        if final is None:  # not finished: wait for events after the last one that exists now
-            start = last[0][0] if last else "0-0"
-            final = next(ev for ev in self.events(timeout, start=start, no_worker_s=no_worker_s)
-                         if ev.type in TERMINAL)
-        if final.type == "error" and final.code == "cancelled":
-            return self._cancelled(final)
-        return final_result(self.id, final, raise_on_error=False)
-
-    def _cancelled(self, final) -> JobResult:
-        """A cancelled job's result: the text its stream carried before the cancel."""
-        replay = Replay()
-        raw = _retrying(lambda: self.client.redis.xrange(self.client.keys.events(self.id)))
-        for _, ev in events_in([(None, raw)]):
-            replay.feed(ev)
-        t = replay.tracks.get(0)
-        return final_result(self.id, final, t.text if t else "", t.ids if t else [])
-
-    def cancel(self) -> None:
-        self.client.cancel(self.id)
-
-    def info(self) -> dict:
-        return self.client.redis.hgetall(self.client.keys.job(self.id))
 
 
 def added(fresh: list, replies: list) -> tuple[dict, list]:
@@ -196,17 +62,6 @@ def added(fresh: list, replies: list) -> tuple[dict, list]:
 def lane_refused(stream: str, err: Exception) -> redis.ResponseError:
     """What a Cluster submit raises when its lane refused the XADD (SUBMIT_LUA's words)."""
     return redis.ResponseError(f"lane stream {stream} refused the job: {err} ({LANE_REFUSED})")
-
-
-def _retrying(fn, attempts: int = 8):
-    delays = backoff()
-    for i in range(attempts):
-        try:
-            return fn()
-        except _RETRY:
-            if i == attempts - 1:
-                raise
-            time.sleep(next(delays))
 
 
 class Client:
@@ -247,7 +102,7 @@ class Client:
         """self.keys with the lane-shard count the workers published (read once per client:
         a client that missed a later increase still enqueues on shards workers read)."""
         if not self._shards_known:
-            n = _retrying(lambda: self.redis.hget(self.keys.meta, "lane_shards"))
+            n = retrying(lambda: self.redis.hget(self.keys.meta, "lane_shards"))
             self.keys, self._shards_known = self.keys.with_shards(stored_shards(n)), True
         return self.keys
 
@@ -259,9 +114,9 @@ class Client:
         self.quota.check(self.redis, req)  # RateLimited when over
         keys = self.lane_keys()
         if self.cluster:
-            (entry,) = _retrying(lambda: self._enqueue_cluster([req]))
+            (entry,) = retrying(lambda: self._enqueue_cluster([req]))
         else:
-            entry = _retrying(lambda: SUBMIT(
+            entry = retrying(lambda: SUBMIT(
                 self.redis, submit_keys(keys, req), submit_args(req, self.job_ttl_s)))
         return Job(self, req.id, duplicate=entry is None, model=req.model, tools=tools)
 
@@ -277,7 +132,7 @@ class Client:
         jobs: list[Job] = []
         for i in range(0, len(reqs), PIPELINE_CHUNK):
             chunk = reqs[i:i + PIPELINE_CHUNK]
-            entries = _retrying(lambda chunk=chunk: send(chunk))
+            entries = retrying(lambda chunk=chunk: send(chunk))
             jobs += [Job(self, q.id, duplicate=e is None, model=q.model, tools=t)
                      for q, e, t in zip(chunk, entries, tools[i:i + PIPELINE_CHUNK])]
         return jobs
@@ -326,12 +181,12 @@ class Client:
     def cancel(self, job_id: str) -> None:
         # The flag stops a job no worker has started; the control entry reaches the one running it.
         if self.cluster:  # two slots: the flag first, then the broadcast (see CANCEL_FLAG_LUA)
-            _retrying(lambda: CANCEL_FLAG(self.redis, [self.keys.job(job_id)],
+            retrying(lambda: CANCEL_FLAG(self.redis, [self.keys.job(job_id)],
                                           cancel_args(job_id, self.job_ttl_s)))
-            _retrying(lambda: self.redis.xadd(self.keys.control, cancel_broadcast(job_id),
+            retrying(lambda: self.redis.xadd(self.keys.control, cancel_broadcast(job_id),
                                               maxlen=CONTROL_MAXLEN, approximate=True))
             return
-        _retrying(lambda: CANCEL(self.redis, [self.keys.job(job_id), self.keys.control],
+        retrying(lambda: CANCEL(self.redis, [self.keys.job(job_id), self.keys.control],
                                  cancel_args(job_id, self.job_ttl_s)))
 
     def status(self) -> dict:

@@ -10,9 +10,10 @@ from genpool.schemas import JobRequest, describe_validation_error
 from genpool.schemas.scripting import Script
 from genpool.schemas.scripts import RETRY_RESET_LUA
 
-from .client import SUBMIT, _retrying
+from .client import SUBMIT
 from .fair_submit import submit_keys
 from .protocol import submit_args
+from .retry import retrying
 
 RETRY_RESET = Script(RETRY_RESET_LUA)
 
@@ -73,14 +74,14 @@ def _retry(c, entry: str, req: JobRequest) -> str:
        nothing, and the dead letter stays;
     3. XDEL of the dead letter in the `{prefix}` slot."""
     k = c.keys
-    go = _retrying(lambda: RETRY_RESET(c.redis, [k.job(req.id), k.events(req.id)],
-                                       [entry, c.job_ttl_s]))
+    go = retrying(lambda: RETRY_RESET(c.redis, [k.job(req.id), k.events(req.id)],
+                                      [entry, c.job_ttl_s]))
     if isinstance(go, (str, bytes)):
         state = go.decode() if isinstance(go, bytes) else go
         return f"job {req.id} is {state}: a retry never replaces a job that is not dead"
     if go:
         try:
-            queued = _retrying(lambda: _submit(c, req))
+            queued = retrying(lambda: _submit(c, req))
         except redis.ResponseError as e:
             return f"not queued: {e}"
         # None: the id existed; it is this retry's own (a reply lost, the submit retried)
@@ -88,7 +89,7 @@ def _retry(c, entry: str, req: JobRequest) -> str:
         mark = c.redis.hget(k.job(req.id), "retry_of") if queued is None else entry
         if mark not in (entry, entry.encode()):
             return f"job {req.id} was submitted again meanwhile, not by this retry"
-    _retrying(lambda: c.redis.xdel(k.dead, entry))
+    retrying(lambda: c.redis.xdel(k.dead, entry))
     return ""
 
 

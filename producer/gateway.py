@@ -2,7 +2,8 @@
 
 Needs fastapi + uvicorn (the `gateway` extra); `import producer` never imports this module.
 The gateway holds no model: it validates, enqueues through the AsyncClient, and relays the job's
-event stream, so any number of gateways can front one pool.
+event stream (producer/gateway_stream.py when streamed), so any number of gateways can front one
+pool.
 """
 from __future__ import annotations
 
@@ -12,56 +13,39 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Iterable, Optional
+from typing import Iterable, Optional
 
-import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from genpool.schemas import Keys, TokenEvent
+from genpool.schemas import Keys
 from genpool.schemas.config import key_prefix, redis_url
-from genpool.schemas.connection import connect_async, lane_depths, queue_lane_depths, redact_text
+from genpool.schemas.connection import connect_async, lane_depths, queue_lane_depths
 from genpool.schemas.keys import check_memory_policy
 from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
 from genpool.schemas.tenants import known_sub_streams, queue_known
 
-from . import openai_logprobs
-from .aio import AsyncClient, AsyncJob
+from .aio import AsyncClient
 from .gateway_io import (
     ClientGone,
     ClosingStream,
     OpenRequests,
-    background,
-    chain,
     install_error_handlers,
-    iterate_until_disconnect,
-    queue_error,
     read_json,
-    sse,
     until_disconnect,
 )
 from .gateway_jobs import install_job_routes
+from .gateway_stream import start_stream
 from .liveness import live_workers_async, served_names, serving
 from .openai_batches import BatchOptions, install_batch_api
-from .openai_format import (
-    APIError,
-    OpenAIRequest,
-    chunk_body,
-    completion_body,
-    echo_chunks,
-    error_from_event,
-    final_chunks,
-    parse_body,
-    scrub_paths,
-)
+from .openai_format import APIError, OpenAIRequest, error_from_event, parse_body, scrub_paths
+from .openai_response import completion_body
 from .tenancy import Principal, Tenancy
 
 log = logging.getLogger("genpool.gateway")
 
 # HTTP callers are waiting: the interactive lane, which workers read first, and no sooner
 GATEWAY_PRIORITY = CALLER_PRIORITY_CEILING
-# The worker refuses a job above 8 MiB (workers/intake.py); a body past this is refused unread.
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # llguidance's check of a ~1 MB schema takes ~1.6 s: on the event loop, 4 such requests stalled
 # every other request (/health too) for 6.6 s. It runs on this many threads instead (it releases
 # the GIL); a fixed number, so requests cannot make the gateway start threads without bound.
@@ -78,15 +62,6 @@ def _served_name(live: list) -> Optional[str]:
     names = {w.model_name for w in live}
     name = names.pop() if len(names) == 1 else ""
     return name if name and scrub_paths(name) == name else None  # never a filesystem path
-
-
-# Why a stream ends early: the job's text changed under text already sent (producer/replay.py)
-_TAKEN_BACK = {
-    "restart": "the job was rerun after a worker failure and its new output differs from what "
-               "was streamed; retry",
-    "rewind": "Redis lost the tail of the job's stream after a failure: the job goes on from "
-              "fewer tokens than were streamed; retry",
-}
 
 
 class Gateway:
@@ -229,7 +204,7 @@ class Gateway:
         job = await self.client.submit(**req.kwargs)
         try:
             if req.stream:
-                resp = await self.start_stream(request, job, req, release)
+                resp = await start_stream(request, job, req, release)
                 resp.headers.update(headers)
                 return resp
             res = await until_disconnect(request, job.result(raise_on_error=False))
@@ -239,71 +214,6 @@ class Gateway:
         if res.error is not None:
             raise error_from_event(res.error)
         return JSONResponse(completion_body(req, res), headers=headers)
-
-    async def start_stream(self, request: Request, job: AsyncJob, req: OpenAIRequest,
-                           release) -> Response:
-        """Answers once the job's first event is in, so a job its worker refuses (unknown
-        model, prompt too long) gets its real HTTP status rather than a 200 stream."""
-        events = job.stream(raise_on_error=False).__aiter__()
-        try:
-            first = await until_disconnect(request, events.__anext__())
-        except StopAsyncIteration:  # finished without a token: failed, or an empty completion
-            first, res = None, await job.result(raise_on_error=False)
-            if res.error is not None:
-                raise error_from_event(res.error) from None
-        return ClosingStream(self.sse(request, job, req, chain(first, events)), release,
-                             headers=SSE_HEADERS, media_type="text/event-stream")
-
-    async def sse(self, request: Request, job: AsyncJob, req: OpenAIRequest,
-                  events: AsyncIterator) -> AsyncIterator[str]:
-        created, finished = int(time.time()), False
-        offsets: dict[int, int] = {}  # per choice: where the next token's text starts
-        echo = req.echo  # still to send: the prompt, once its scores are in (when asked)
-        scored = "prompt_logprobs" in req.kwargs
-        try:
-            if req.kind == "chat":  # OpenAI opens every choice with the assistant role
-                for i in range(req.kwargs.get("n", 1)):
-                    yield sse(chunk_body(req, job.id, created, i, role=True))
-            async for ev in iterate_until_disconnect(request, events):
-                if ev.type in ("restart", "rewind"):
-                    # Text already sent cannot be taken back; stop rather than send a mix.
-                    yield sse(APIError(500, _TAKEN_BACK[ev.type], "server_error",
-                                       code="restarted").body())
-                    return
-                if req.tools is not None and req.tools.active:
-                    continue  # held back: the end tells text from tool calls (final_chunks)
-                if echo and isinstance(ev, TokenEvent) and (ev.prompt is not None or not scored):
-                    chunks, start = echo_chunks(req, job.id, created, ev.prompt)
-                    offsets, echo = dict.fromkeys(range(len(chunks)), start), False
-                    for c in chunks:
-                        yield sse(c)
-                with_lps = (req.top_logprobs is not None and isinstance(ev, TokenEvent)
-                            and bool(ev.token_ids))
-                if ev.text or with_lps:  # a token whose text is held back still has logprobs
-                    yield sse(chunk_body(req, job.id, created, ev.index, text=ev.text,
-                                         token=ev if with_lps else None,
-                                         offset=offsets.get(ev.index, 0)))
-                    if with_lps:
-                        offsets[ev.index] = openai_logprobs.advance(
-                            offsets.get(ev.index, 0), ev.token_ids, ev.token_texts or {})
-            res = await job.result(raise_on_error=False)
-            finished = True
-            chunks = ([error_from_event(res.error).body()] if res.error is not None
-                      else final_chunks(req, res, created))
-            if echo and res.error is None:  # nothing generated (max_tokens=0): the prompt alone
-                chunks[:0] = echo_chunks(req, job.id, created, res.prompt)[0]
-            for c in chunks:
-                yield sse(c)
-            yield "data: [DONE]\n\n"
-        except ClientGone:
-            pass
-        except redis.RedisError as exc:  # the 200 is sent: the error can only be an event
-            log.warning("job %s: stream ended, the queue is unreachable: %s", job.id,
-                        redact_text(str(exc)))
-            yield sse(queue_error(exc).body())
-        finally:
-            if not finished:  # the reader left (or the stream broke): free the worker's slot
-                background(job.cancel())
 
 
 def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
@@ -335,20 +245,7 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
     install_error_handlers(app)
     batches = install_batch_api(app, gw, batch)
     install_job_routes(app, gw)  # /v1/jobs/{id}: a job by id, the caller's tenant's only
-
-    @app.get("/v1/models")
-    async def list_models(request: Request):
-        await gw.authorize(request)
-        return {"object": "list", "data": await gw.models()}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str, request: Request):
-        await gw.authorize(request)
-        found = [m for m in await gw.models() if model_id == m["id"] or model_id in m["aliases"]]
-        if not found:
-            raise APIError(404, f"The model '{model_id}' does not exist", param="model",
-                           code="model_not_found")
-        return found[0]
+    _install_model_routes(app, gw)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -363,3 +260,20 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
         return {"status": "ok"}
 
     return app
+
+
+def _install_model_routes(app: FastAPI, gw: Gateway) -> None:
+    """/v1/models and /v1/models/{id}: what the live workers serve, aliases included."""
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        await gw.authorize(request)
+        return {"object": "list", "data": await gw.models()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        await gw.authorize(request)
+        found = [m for m in await gw.models() if model_id == m["id"] or model_id in m["aliases"]]
+        if not found:
+            raise APIError(404, f"The model '{model_id}' does not exist", param="model",
+                           code="model_not_found")
+        return found[0]

@@ -19,6 +19,7 @@ from genpool.schemas.connection import redact_text
 from .openai_format import APIError, scrub_paths
 
 log = logging.getLogger("genpool.gateway")
+# The worker refuses a job above 8 MiB (workers/intake.py); a body past this is refused unread.
 MAX_BODY_BYTES = 8 << 20
 _background: set[asyncio.Task] = set()  # strong refs so fire-and-forget cancels are not GC'd
 

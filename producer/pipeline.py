@@ -13,10 +13,11 @@ from typing import Any, Callable, Iterable, Optional
 from genpool.schemas import JobResult
 
 from . import openai_tools
-from .client import Client, _retrying
+from .client import Client
 from .errors import NoWorkers, no_worker_target, worker_command
 from .liveness import live_workers, serving
 from .protocol import build_request, last_terminal, terminal_from_hash
+from .retry import retrying
 from .waiting import CHECK_S, log
 
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
@@ -34,7 +35,7 @@ def poll_results(client: Client, job_ids: list[str]) -> tuple[dict[str, JobResul
             pipe.hmget(keys.job(jid), "result", "error", "state")
         return pipe.execute()
 
-    replies = _retrying(poll)  # a slow or restarting Redis is retried, as single waits are
+    replies = retrying(poll)  # a slow or restarting Redis is retried, as single waits are
     done, missing = {}, []
     for jid, (res, err, state) in zip(job_ids, replies):
         final = terminal_from_hash(res, err)
@@ -94,7 +95,7 @@ class MapWatch:
     def _look(self, waiting: dict[Optional[str], list[str]], now: float) -> None:
         self.next_check = now + CHECK_S
         c, prefix = self.client, self.client.keys.prefix
-        live = _retrying(lambda: live_workers(c.redis, c.keys))
+        live = retrying(lambda: live_workers(c.redis, c.keys))
         for model, ids in waiting.items():
             if serving(live, model):
                 if self.unserved.pop(model, None) is not None:

@@ -166,7 +166,7 @@ def test_a_constrained_call_cut_by_max_tokens_keeps_its_name_and_partial_argumen
     """As OpenAI answers a call cut by max_tokens: tool_calls with the arguments so far, and
     finish_reason "length" (not "tool_calls")."""
     from genpool.producer import openai_tools
-    from genpool.producer.openai_format import _finish_calls
+    from genpool.producer.openai_response import _finish_calls
 
     tools = openai_tools.parse({"tools": [WEATHER], "tool_choice": "required"})
     content, calls = openai_tools.split(tools, '{"name":"get_weather","arguments":{"city":"Os')
