@@ -54,6 +54,14 @@ def apply(body: dict, kw: dict, top: Optional[int]) -> bool:
     if echo is not None and not isinstance(echo, bool):
         raise EchoError(f"echo must be a boolean, got {echo!r}", "echo")
     extra = body.get("prompt_logprobs")  # vLLM's extension: the scores without the echo
+    if extra is not None and body.get("stream") is True:
+        # a stream's chunks have no field for them (vLLM refuses too); a streamed 0 asks for nothing
+        if extra == 0 and not isinstance(extra, bool):
+            extra = None
+        else:
+            raise EchoError("prompt_logprobs are not available when stream=true: a streamed response has "
+                            "no field for them (send stream=false, or echo=true with logprobs)",
+                            "prompt_logprobs")
     if extra is not None:
         kw["prompt_logprobs"] = extra
     if kw.get("max_tokens") == 0 and not echo and extra is None:
