@@ -103,8 +103,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_dtype_name not in (DTYPES[self.dtype], "bfloat16") or (
-                self.kv_dtype_name != DTYPES[self.dtype] and DTYPES[self.dtype] != "float32"):
+        kv, model = self.kv_dtype_name, DTYPES[self.dtype]
+        if kv != model and (kv, model) != ("bfloat16", "float32"):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} under dtype {self.dtype!r}: the KV cache "
                              "is the model's dtype, or bfloat16 under a float32 model")
         if not DEVICE_RE.fullmatch(self.device):

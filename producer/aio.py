@@ -19,8 +19,8 @@ from genpool.schemas.workers import WorkerInfo
 
 from . import openai_tools
 from .client import CANCEL, CANCEL_FLAG, PIPELINE_CHUNK, SUBMIT, SUBMIT_JOB, SUBMIT_UNDO, added, lane_refused
-from .errors import JobFailed
 from .fair_submit import queue_enqueue, submit_keys
+from .job import cancelled_result, raise_if_failed, replayed_result
 from .liveness import live_workers_async, serving
 from .protocol import (
     CONTROL_MAXLEN,
@@ -30,7 +30,6 @@ from .protocol import (
     build_request,
     cancel_args,
     cancel_broadcast,
-    events_in,
     last_terminal,
     submit_args,
     terminal_from_hash,
@@ -124,23 +123,20 @@ class AsyncJob:
         async for raw in self.events(timeout, no_worker_s=no_worker_s):
             for ev in replay.feed(raw):
                 if ev.type in TERMINAL:
-                    t = replay.tracks.get(0)
-                    self._final = openai_tools.attach(self.tools, final_result(
-                        self.id, ev, t.text if t else "", t.ids if t else [],
-                        raise_on_error=False))
+                    self._final = openai_tools.attach(self.tools, replayed_result(
+                        self.id, ev, replay, raise_on_error=False))
                 else:
                     yield ev
-        if raise_on_error and self._final is not None and self._final.finish_reason is None \
-                and self._final.error is not None:
-            raise JobFailed(self._final)
+        if raise_on_error:
+            raise_if_failed(self._final)
 
     async def result(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
                      no_worker_s: Optional[float] = None) -> JobResult:
         if self._final is None:
             self._final = openai_tools.attach(self.tools,
                                               await self._wait_final(timeout, no_worker_s))
-        if raise_on_error and self._final.error is not None and self._final.finish_reason is None:
-            raise JobFailed(self._final)
+        if raise_on_error:
+            raise_if_failed(self._final)
         return self._final
 
     async def _wait_final(self, timeout: Optional[float], no_worker_s: Optional[float]
@@ -161,12 +157,7 @@ class AsyncJob:
                 if ev.type in TERMINAL:
                     final = ev
         if final.type == "error" and final.code == "cancelled":
-            replay = Replay()
-            raw = await _retrying(lambda: r.xrange(keys.events(self.id)))
-            for _, ev in events_in([(None, raw)]):
-                replay.feed(ev)
-            t = replay.tracks.get(0)
-            return final_result(self.id, final, t.text if t else "", t.ids if t else [])
+            return cancelled_result(self.id, final, await _retrying(lambda: r.xrange(keys.events(self.id))))
         return final_result(self.id, final, raise_on_error=False)
 
     async def cancel(self) -> None:

@@ -24,6 +24,27 @@ if TYPE_CHECKING:  # only for annotations: client.py imports this module
     from .client import Client
 
 
+def replayed_result(job_id: str, final, replay: Replay, raise_on_error: bool = True) -> JobResult:
+    """The JobResult of a terminal event, with completion 0's text and ids as the replay holds
+    them (what a cancelled job keeps). Job and producer/aio.py's AsyncJob share it."""
+    t = replay.tracks.get(0)
+    return final_result(job_id, final, t.text if t else "", t.ids if t else [], raise_on_error=raise_on_error)
+
+
+def cancelled_result(job_id: str, final, raw: list) -> JobResult:
+    """A cancelled job's result from its stream's raw entries: the text streamed before the cancel."""
+    replay = Replay()
+    for _, ev in events_in([(None, raw)]):
+        replay.feed(ev)
+    return replayed_result(job_id, final, replay)
+
+
+def raise_if_failed(final: Optional[JobResult]) -> None:
+    """JobFailed for a result that ended in an error (a cancel keeps its finish_reason)."""
+    if final is not None and final.error is not None and final.finish_reason is None:
+        raise JobFailed(final)
+
+
 class Job:
     """Handle on one submitted job. `duplicate` is True when the id already existed.
 
@@ -88,22 +109,19 @@ class Job:
         for raw in self.events(timeout, no_worker_s=no_worker_s):
             for ev in replay.feed(raw):
                 if ev.type in TERMINAL:
-                    t = replay.tracks.get(0)
-                    self._final = openai_tools.attach(self.tools, final_result(
-                        self.id, ev, t.text if t else "", t.ids if t else [],
-                        raise_on_error=False))
+                    self._final = openai_tools.attach(self.tools, replayed_result(
+                        self.id, ev, replay, raise_on_error=False))
                 else:
                     yield ev
-        if raise_on_error and self._final is not None and self._final.finish_reason is None \
-                and self._final.error is not None:
-            raise JobFailed(self._final)
+        if raise_on_error:
+            raise_if_failed(self._final)
 
     def result(self, timeout: Optional[float] = None, *, raise_on_error: bool = True,
                no_worker_s: Optional[float] = None) -> JobResult:
         if self._final is None:
             self._final = openai_tools.attach(self.tools, self._wait_final(timeout, no_worker_s))
-        if raise_on_error and self._final.error is not None and self._final.finish_reason is None:
-            raise JobFailed(self._final)
+        if raise_on_error:
+            raise_if_failed(self._final)
         return self._final
 
     def _wait_final(self, timeout: Optional[float], no_worker_s: Optional[float]) -> JobResult:
@@ -124,17 +142,9 @@ class Job:
             final = next(ev for ev in self.events(timeout, start=start, no_worker_s=no_worker_s)
                          if ev.type in TERMINAL)
         if final.type == "error" and final.code == "cancelled":
-            return self._cancelled(final)
+            raw = retrying(lambda: self.client.redis.xrange(keys.events(self.id)))
+            return cancelled_result(self.id, final, raw)
         return final_result(self.id, final, raise_on_error=False)
-
-    def _cancelled(self, final) -> JobResult:
-        """A cancelled job's result: the text its stream carried before the cancel."""
-        replay = Replay()
-        raw = retrying(lambda: self.client.redis.xrange(self.client.keys.events(self.id)))
-        for _, ev in events_in([(None, raw)]):
-            replay.feed(ev)
-        t = replay.tracks.get(0)
-        return final_result(self.id, final, t.text if t else "", t.ids if t else [])
 
     def cancel(self) -> None:
         self.client.cancel(self.id)

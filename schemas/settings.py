@@ -11,6 +11,7 @@ for a GENPOOL_ knob (tests/test_settings.py greps for it). Stdlib only: producer
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -191,15 +192,12 @@ def help_default(s: Setting) -> str:
 OPENMP_SPINCOUNT = "1000"
 
 
-def bound_openmp_spinning(environ=None) -> bool:
+def bound_openmp_spinning() -> bool:
     """Set GOMP_SPINCOUNT to OPENMP_SPINCOUNT unless the environment already names a wait policy
     (OMP_WAIT_POLICY or GOMP_SPINCOUNT). libgomp reads it once, when torch loads it, so this only
-    takes effect before torch is imported: the genpool command and the Celery app call it first (here, in a module without torch, for that reason).
-    Returns whether it took effect."""
-    import os
-    import sys
-    environ = os.environ if environ is None else environ
-    if "torch" in sys.modules or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+    takes effect before torch is imported: the genpool command and the Celery app call it first
+    (it lives here, in a module without torch, for that reason). Returns whether it took effect."""
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return False
-    environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
     return True

@@ -72,7 +72,7 @@ def _fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
-KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the stack takes (dims_t.kv_dtype)
+KV_DTYPES = cpu_build.DTYPE_CODES  # the caches the stack takes: fp32 or bf16 (dims_t.kv_dtype)
 
 
 def _cache_ok(t: torch.Tensor, like: torch.Tensor) -> bool:

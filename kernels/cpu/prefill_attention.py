@@ -14,7 +14,7 @@ import torch
 from genpool.kernels import ref
 from genpool.kernels.cpu import build as cpu_build
 
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches it reads (kernel's kv_dtype)
+_KV_DTYPES = cpu_build.DTYPE_CODES  # the caches it reads: fp32 or bf16 (the kernel's kv_dtype)
 _ERRORS = {-1: "out of memory", -2: "block id out of range", -3: "sequence lengths outside their block table",
            -4: "unsupported shape"}
 

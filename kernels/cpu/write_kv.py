@@ -25,16 +25,13 @@ def available() -> bool:
 
 def _rows_ok(x: torch.Tensor, cache: torch.Tensor) -> bool:
     # [T, Hkv, D] with each token's heads contiguous; the cache's dtype, or fp32 into a bf16 cache
-    return (x.dim() == 3 and x.shape[1:] == cache.shape[2:] and _to_bf16(x, cache) is not None
+    return (x.dim() == 3 and x.shape[1:] == cache.shape[2:] and _cast_ok(x, cache)
             and x.stride(2) == 1 and x.stride(1) == x.shape[2])
 
 
-def _to_bf16(x: torch.Tensor, cache: torch.Tensor) -> bool | None:
-    """False: a plain copy; True: fp32 rows rounded into a bf16 cache; None: a cast the C kernel
-    does not do."""
-    if x.dtype == cache.dtype:
-        return False
-    return True if (x.dtype, cache.dtype) == (torch.float32, torch.bfloat16) else None
+def _cast_ok(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """A plain copy, or fp32 rows rounded into a bf16 cache: the two the C kernel does."""
+    return x.dtype == cache.dtype or (x.dtype, cache.dtype) == (torch.float32, torch.bfloat16)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -53,7 +50,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     nslots = k_cache.shape[0] * k_cache.shape[1]
     rc = fn(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
             k.shape[1] * k.shape[2], k.stride(0), v.stride(0), nslots, k_cache.element_size(),
-            int(bool(_to_bf16(k, k_cache))))
+            int(k.dtype != k_cache.dtype))
     if rc != 0:
         raise ValueError(f"a slot lies outside the KV cache of {nslots} slots")
     return None

@@ -8,31 +8,13 @@ import json
 import httpx
 import pytest
 
-from genpool.producer.keys_store import KeyStore
-from genpool.schemas import Keys
-from genpool.schemas.connection import connect
-from tests.fake_engine import FakeEngine
-from tests.pool_helpers import drop_prefix, new_prefix, worker_thread
-from tests.producer.test_gateway_limits import serve
-
-STATIC = "sk-operator"
+from tests.tenants.test_keys_quotas import STATIC, keyed_gateway
 
 
 @pytest.fixture()
 def gateway(redis_url):
-    from genpool.producer.gateway import create_app
-
-    prefix = new_prefix("gwjobs")
-    r = connect(redis_url, decode_responses=True)
-    app = create_app(redis_url, prefix, api_keys=[STATIC], stored_keys=True)
-    try:
-        with worker_thread(FakeEngine(max_num_seqs=8), redis_url, prefix), serve(app) as port:
-            store = KeyStore(r, Keys(prefix))
-            yield f"http://127.0.0.1:{port}", store.create("team-a", [], 1)[0], \
-                store.create("team-b", [], 1)[0], redis_url, prefix
-    finally:
-        r.close()
-        drop_prefix(redis_url, prefix)
+    with keyed_gateway(redis_url, "gwjobs") as (url, store, _, prefix):
+        yield url, store.create("team-a", [], 1)[0], store.create("team-b", [], 1)[0], redis_url, prefix
 
 
 def call(method: str, url: str, key: str, **kw) -> httpx.Response:

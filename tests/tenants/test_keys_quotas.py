@@ -4,6 +4,7 @@ Real Redis, a real gateway (uvicorn in a thread, the CLI's config) and an in-pro
 the fake engine; `genpool keys` runs as the CLI in a child process."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -88,12 +89,13 @@ def test_the_cli_prints_the_secret_once_and_never_again(store, redis_url):
     assert bad.returncode == 2 and "invalid tenant" in bad.stderr
 
 
-@pytest.fixture()
-def gateway(redis_url):
-    """A gateway with a static key and stored keys, a fake-engine worker, and a KeyStore."""
+@contextlib.contextmanager
+def keyed_gateway(redis_url: str, label: str):
+    """A gateway with a static key and stored keys, a fake-engine worker, and a KeyStore:
+    (url, store, redis, prefix). tests/tenants/test_gateway_jobs.py uses it too."""
     from genpool.producer.gateway import create_app
 
-    prefix = new_prefix("gwkeys")
+    prefix = new_prefix(label)
     r = connect(redis_url, decode_responses=True)
     app = create_app(redis_url, prefix, api_keys=[STATIC], stored_keys=True)
     try:
@@ -102,6 +104,12 @@ def gateway(redis_url):
     finally:
         r.close()
         drop_prefix(redis_url, prefix)
+
+
+@pytest.fixture()
+def gateway(redis_url):
+    with keyed_gateway(redis_url, "gwkeys") as g:
+        yield g
 
 
 def post(base: str, key: str, **kw) -> httpx.Response:
