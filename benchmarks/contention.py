@@ -6,8 +6,9 @@ normal priority (started and stopped here), in rounds that alternate the order. 
   - genpool modes (benchmarks/quant_modes.py, one process per run) under three OpenMP wait
     policies of the libgomp torch ships: its default (`gomp-default`: GOMP_SPINCOUNT 300k spins
     before a thread sleeps), `bounded` (GOMP_SPINCOUNT=10000) and `passive`
-    (OMP_WAIT_POLICY=PASSIVE: sleep at once). genpool sets none of them: the worker runs with
-    whatever the environment says;
+    (OMP_WAIT_POLICY=PASSIVE: sleep at once), or spin=N. They govern torch's own ops; the C
+    kernels run on their own pool (kernels/cpu/cpu_pool.c). The `genpool` command sets spin=1000
+    unless the environment names a policy; each run here sets its variant's;
   - llama.cpp's server (benchmarks/llamacpp_peer.py) when LLAMA_SERVER is set, per --peer-types.
 
   python benchmarks/contention.py --modes fp32,int8 --num-requests 16 --rounds 2 [--json out.json]

@@ -24,15 +24,15 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 # -march=native: the library is built on the machine that runs it (the hash includes the host).
-# -fopenmp: threads from the OpenMP pool torch already runs (cpu_common.h run_ranges), and
-# `#pragma omp simd` reductions without -ffast-math's other licences. Where the compiler has no
-# OpenMP library (clang without libomp), the build retries with -fopenmp-simd: one thread.
+# -fopenmp-simd: `#pragma omp simd` reductions without -ffast-math's other licences, and no OpenMP
+# runtime: the threads are the kernels' own pool (cpu_pool.c, decision 0010), so a compiler without
+# an OpenMP library (clang without libomp) builds the same libraries.
 # -fno-strict-aliasing: the bf16 kernels widen bf16 to fp32 by writing the bits of a float buffer.
 # -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off; the kernels that must round
 # like torch turn them off per function); -fno-math-errno: floorf etc. inline and vectorise.
 # -Wl,-Bsymbolic: a library's calls into its own files (cpu_decode_layers into the GEMM, ...) bind
 # to its own definitions, never to a same-named symbol another loaded library exports.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=fast",
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-strict-aliasing", "-ffp-contract=fast",
           "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-Wl,-Bsymbolic"]
 _loaded: dict[str, ctypes.CDLL | None] = {}
 # Libraries built from more than their own file: the other kernels' sources they call into
@@ -40,6 +40,8 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 LINKED = {"cpu_decode_layers": ("cpu_gemm", "cpu_qgemm", "cpu_qgemm_vnni", "cpu_rms_norm", "cpu_rotary",
                                  "cpu_write_kv", "cpu_decode_attention"),
           "cpu_qgemm": ("cpu_qgemm_vnni",)}
+# The kernels' thread pool (cpu_pool.c): its own library, linked by every other one.
+POOL = "cpu_pool"
 # The `dtype` argument of every C kernel: which element type its tensors hold.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -69,15 +71,13 @@ def cpu_has(flag: str) -> bool:
     return any(flag in line.split() for line in _cpu_identity().splitlines() if line.startswith("flags"))
 
 
-SERIAL_CFLAGS = [("-fopenmp-simd" if f == "-fopenmp" else f) for f in CFLAGS]
-
-
 def _sources(name: str) -> list[Path]:
     return [HERE / f"{n}.c" for n in (name, *LINKED.get(name, ()))]
 
 
 def library_path(name: str, cc: str, flags: list[str] = CFLAGS) -> Path:
-    src = b"".join(p.read_bytes() for p in _sources(name)) + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
+    src = b"".join(p.read_bytes() for p in (*_sources(name), HERE / f"{POOL}.c"))
+    src += b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_identity()]).encode())
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
@@ -87,7 +87,10 @@ def _compile(name: str, cc: str, out: Path, flags: list[str]) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, "-I", str(HERE), "-o", tmp, *map(str, _sources(name)), "-lm"]
+        # every kernel library links the one pool library by its absolute path (its DT_NEEDED), so
+        # all of them, however loaded, share one set of pool threads
+        pool = [] if name == POOL else [str(_build(POOL, cc))]
+        cmd = [cc, *flags, "-I", str(HERE), "-o", tmp, *map(str, _sources(name)), *pool, "-lpthread", "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
@@ -98,21 +101,11 @@ def _compile(name: str, cc: str, out: Path, flags: list[str]) -> None:
 
 
 def _build(name: str, cc: str) -> Path:
-    """The library's path, built first if needed: with OpenMP, else (a compiler without it)
-    single-threaded under its own name, so that a later start tries OpenMP again."""
+    """The library's path, built first if needed."""
     path = library_path(name, cc)
-    if path.exists():
-        return path
-    try:
+    if not path.exists():
         _compile(name, cc, path, CFLAGS)
-        return path
-    except RuntimeError as e:
-        log.warning("building %s with OpenMP failed, building it single-threaded: %s", name,
-                    str(e).splitlines()[-1][:200])
-    serial = library_path(name, cc, SERIAL_CFLAGS)
-    if not serial.exists():
-        _compile(name, cc, serial, SERIAL_CFLAGS)
-    return serial
+    return path
 
 
 def function(name: str, symbol: str, argtypes: list, restype=None):

@@ -6,24 +6,13 @@
 #include <math.h>
 #include <stdint.h>
 
-enum { MAX_THREADS = 64 };
+#include "cpu_pool.h"
 
-/* Work on rows [lo, hi): returns 0, or a negative error code of the kernel's own. */
-typedef int (*range_fn)(const void *args, int64_t lo, int64_t hi);
-
-/* fn over [bounds[i], bounds[i + 1]) for i < n (n <= MAX_THREADS). First error wins.
- *
- * The threads are OpenMP's: the libraries link libgomp.so.1, which resolves to the copy torch has
- * already loaded, so our kernels and torch's ops share one pool of resident threads. Creating
- * threads per call instead cost ~100 us each on a 2-core VM, more than a decode-sized GEMM, and
- * a second pool would fight torch's for the same cores. Built without OpenMP: one thread. */
-static int run_ranges(range_fn fn, const void *args, const int64_t *bounds, int n) {
-    int status[MAX_THREADS] = {0};
-#pragma omp parallel for num_threads(n) schedule(static, 1) if (n > 1)
-    for (int i = 0; i < n; i++) status[i] = fn(args, bounds[i], bounds[i + 1]);
-    for (int i = 0; i < n; i++)
-        if (status[i]) return status[i];
-    return 0;
+/* fn over [bounds[i], bounds[i + 1]) for i < n (n <= MAX_THREADS) on n threads of the kernels'
+ * pool (cpu_pool.c: shared by every kernel library, one thread count: torch.set_num_threads).
+ * First error wins. */
+static inline int run_ranges(range_fn fn, const void *args, const int64_t *bounds, int n) {
+    return gp_pool_run(fn, args, bounds, n, n);
 }
 
 /* Clamp a thread count to [1, min(MAX_THREADS, items)]. */
@@ -33,12 +22,16 @@ static inline int thread_count(int nthreads, int64_t items) {
     return nthreads < 1 ? 1 : nthreads;
 }
 
-/* Equal contiguous shares of [0, rows). */
+#ifndef ITEMS_PER_THREAD
+#define ITEMS_PER_THREAD 1
+#endif
+/* Equal contiguous shares of [0, rows), ITEMS_PER_THREAD per thread where rows allow. */
 static int parallel_rows(range_fn fn, const void *args, int64_t rows, int64_t work_per_row, int nthreads) {
-    int n = rows * work_per_row < (1 << 15) ? 1 : thread_count(nthreads, rows);
-    int64_t bounds[MAX_THREADS + 1];
-    for (int i = 0; i <= n; i++) bounds[i] = rows * i / n;
-    return run_ranges(fn, args, bounds, n);
+    const int n = rows * work_per_row < (1 << 15) ? 1 : thread_count(nthreads, rows);
+    const int items = n == 1 ? 1 : (int)(rows < (int64_t)n * ITEMS_PER_THREAD ? rows : n * ITEMS_PER_THREAD);
+    int64_t bounds[POOL_MAX_ITEMS + 1];
+    for (int i = 0; i <= items; i++) bounds[i] = rows * i / items;
+    return gp_pool_run(fn, args, bounds, items, n);
 }
 
 /* bf16 <-> fp32 as torch converts: widening is exact, narrowing rounds to nearest even. */
