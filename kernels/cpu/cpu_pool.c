@@ -76,14 +76,14 @@ static void run_items(call_t *c) {
 /* Poll `state` for a generation other than `gen` for spin_ns, then sleep until a call opens. */
 static void wait_past(uint32_t gen) {
     const int64_t until = now_ns() + atomic_load_explicit(&spin_ns, memory_order_relaxed);
-    for (int k = 1;; k++) {
+    for (unsigned k = 1;; k++) {
         if ((uint32_t)(atomic_load(&state) >> 32) != gen) return;
         cpu_relax();
         if (k % 256 == 0 && now_ns() > until) break;
     }
     const uint32_t w = atomic_load(&wake_word);
     atomic_fetch_add(&sleepers, 1);
-    if ((uint32_t)(atomic_load(&state) >> 32) == gen) /* a call opened since: wake_word moved, no sleep */
+    if ((uint32_t)(atomic_load(&state) >> 32) == gen) /* else a call opened meanwhile: no sleep */
         syscall(SYS_futex, &wake_word, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
     atomic_fetch_sub(&sleepers, 1);
 }
@@ -96,7 +96,12 @@ static void *pool_thread(void *arg) {
         const uint32_t gen = (uint32_t)(s >> 32);
         if ((gen & 1) && gen != seen) {
             seen = gen; /* this call is looked at once, entered or not */
-            if (id < atomic_load(&call.helpers) && atomic_compare_exchange_strong(&state, &s, s + 1)) {
+            if (id >= atomic_load(&call.helpers)) continue;
+            /* a CAS that fails because another thread entered first is retried: only a closed
+             * call (another generation) turns this thread away */
+            while (!atomic_compare_exchange_weak(&state, &s, s + 1))
+                if ((uint32_t)(s >> 32) != gen) break;
+            if ((uint32_t)(s >> 32) == gen) {
                 run_items(&call);
                 atomic_fetch_sub(&state, 1);
             }
@@ -107,7 +112,9 @@ static void *pool_thread(void *arg) {
     return NULL;
 }
 
-static void after_fork_child(void) { /* the pool's threads do not survive a fork */
+/* The pool's threads do not survive a fork: the child starts with none, no open call and a fresh
+ * mutex (glibc allows re-initialising it; the child has one thread). */
+static void after_fork_child(void) {
     started = 0;
     atomic_store(&state, (uint64_t)0);
     atomic_store(&sleepers, 0);
@@ -139,9 +146,8 @@ static int run_inline(range_fn fn, const void *args, const int64_t *bounds, int 
 }
 
 int gp_pool_run(range_fn fn, const void *args, const int64_t *bounds, int items, int nthreads) {
-    if (items > POOL_MAX_ITEMS) return -1;
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    if (nthreads < 2 || items < 2 || in_range) return run_inline(fn, args, bounds, items);
+    if (nthreads < 2 || items < 2 || items > POOL_MAX_ITEMS || in_range) return run_inline(fn, args, bounds, items);
     pthread_mutex_lock(&lock);
     ensure_threads(nthreads - 1);
     call.fn = fn, call.args = args, call.items = items;
@@ -155,12 +161,12 @@ int gp_pool_run(range_fn fn, const void *args, const int64_t *bounds, int items,
     if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &wake_word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     run_items(&call);
     /* Ranges still running belong to pool threads that are on them: wait for those only. */
-    for (int k = 1; atomic_load(&call.done) < items; k++) {
+    for (unsigned k = 1; atomic_load(&call.done) < items; k++) {
         cpu_relax();
         if (k % 1024 == 0) sched_yield(); /* a range's thread may be waiting for this core */
     }
     uint64_t s = open;
-    for (int k = 1; !atomic_compare_exchange_weak(&state, &s, open + ((uint64_t)1 << 32)); k++) {
+    for (unsigned k = 1; !atomic_compare_exchange_weak(&state, &s, open + ((uint64_t)1 << 32)); k++) {
         s = open; /* a late pool thread is inside: it finds nothing to claim and leaves */
         cpu_relax();
         if (k % 1024 == 0) sched_yield();
