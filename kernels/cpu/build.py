@@ -75,14 +75,14 @@ def _sources(name: str) -> list[Path]:
     return [HERE / f"{n}.c" for n in (name, *LINKED.get(name, ()))]
 
 
-def library_path(name: str, cc: str, flags: list[str] = CFLAGS) -> Path:
+def library_path(name: str, cc: str) -> Path:
     src = b"".join(p.read_bytes() for p in (*_sources(name), HERE / f"{POOL}.c"))
     src += b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), _cpu_identity()]).encode())
+    key = hashlib.sha256(src + " ".join([cc, *CFLAGS, platform.machine(), _cpu_identity()]).encode())
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
 
-def _compile(name: str, cc: str, out: Path, flags: list[str]) -> None:
+def _compile(name: str, cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -90,7 +90,7 @@ def _compile(name: str, cc: str, out: Path, flags: list[str]) -> None:
         # every kernel library links the one pool library by its absolute path (its DT_NEEDED), so
         # all of them, however loaded, share one set of pool threads
         pool = [] if name == POOL else [str(_build(POOL, cc))]
-        cmd = [cc, *flags, "-I", str(HERE), "-o", tmp, *map(str, _sources(name)), *pool, "-lpthread", "-lm"]
+        cmd = [cc, *CFLAGS, "-I", str(HERE), "-o", tmp, *map(str, _sources(name)), *pool, "-lpthread", "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
@@ -104,7 +104,7 @@ def _build(name: str, cc: str) -> Path:
     """The library's path, built first if needed."""
     path = library_path(name, cc)
     if not path.exists():
-        _compile(name, cc, path, CFLAGS)
+        _compile(name, cc, path)
     return path
 
 

@@ -12,7 +12,7 @@
  * pool (cpu_pool.c: shared by every kernel library, one thread count: torch.set_num_threads).
  * First error wins. */
 static inline int run_ranges(range_fn fn, const void *args, const int64_t *bounds, int n) {
-    return gp_pool_run(fn, args, bounds, n, n);
+    return gp_pool_run(fn, args, bounds, n);
 }
 
 /* Clamp a thread count to [1, min(MAX_THREADS, items)]. */

@@ -38,11 +38,11 @@
 typedef struct {
     range_fn fn;
     const void *args;
-    int64_t bounds[POOL_MAX_ITEMS + 1];
+    int64_t bounds[MAX_THREADS + 1];
     int items;
-    _Atomic int helpers;   /* pool threads allowed in: nthreads - 1 */
+    _Atomic int helpers;   /* pool threads allowed in: items - 1 */
     _Atomic int next, done;
-    int status[POOL_MAX_ITEMS];
+    int status[MAX_THREADS];
 } call_t;
 
 static call_t call;
@@ -145,14 +145,13 @@ static int run_inline(range_fn fn, const void *args, const int64_t *bounds, int 
     return first;
 }
 
-int gp_pool_run(range_fn fn, const void *args, const int64_t *bounds, int items, int nthreads) {
-    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-    if (nthreads < 2 || items < 2 || items > POOL_MAX_ITEMS || in_range) return run_inline(fn, args, bounds, items);
+int gp_pool_run(range_fn fn, const void *args, const int64_t *bounds, int items) {
+    if (items < 2 || items > MAX_THREADS || in_range) return run_inline(fn, args, bounds, items);
     pthread_mutex_lock(&lock);
-    ensure_threads(nthreads - 1);
+    ensure_threads(items - 1);
     call.fn = fn, call.args = args, call.items = items;
     for (int i = 0; i <= items; i++) call.bounds[i] = bounds[i];
-    atomic_store(&call.helpers, nthreads - 1);
+    atomic_store(&call.helpers, items - 1);
     atomic_store(&call.next, 0);
     atomic_store(&call.done, 0);
     const uint64_t open = ((atomic_load(&state) >> 32) + 1) << 32; /* odd generation, nobody inside */

@@ -5,15 +5,14 @@
 #define GENPOOL_CPU_POOL_H
 #include <stdint.h>
 
-enum { MAX_THREADS = 64, POOL_MAX_ITEMS = 4 * MAX_THREADS };
+enum { MAX_THREADS = 64 };
 
 /* Work on rows [lo, hi): returns 0, or a negative error code of the kernel's own. */
 typedef int (*range_fn)(const void *args, int64_t lo, int64_t hi);
 
-/* fn over [bounds[i], bounds[i + 1]) for i < items, on at most nthreads threads counting the
- * caller (more than POOL_MAX_ITEMS ranges: on the caller alone). The first failing range's code
- * (in range order) wins. */
-int gp_pool_run(range_fn fn, const void *args, const int64_t *bounds, int items, int nthreads);
+/* fn over [bounds[i], bounds[i + 1]) for i < n, on n threads counting the caller (over
+ * MAX_THREADS ranges: all on the caller). The first failing range's code (in range order) wins. */
+int gp_pool_run(range_fn fn, const void *args, const int64_t *bounds, int n);
 
 /* How long (microseconds) an idle pool thread polls for the next call before it sleeps. */
 void gp_pool_set_spin_us(int64_t us);
