@@ -1,11 +1,47 @@
 /* One core's peak multiply-add rate, for benchmarks/floor.py: independent chains of zmm vpdpbusd
  * (int8 x uint8, 64 multiply-adds an instruction) and of zmm vfmadd231ps (16 fp32 ones), enough
- * chains to cover each instruction's latency. Prints "vnni <G MAC/s> fma <G MAC/s>"; "vnni 0"
- * where the compiler does not target AVX512-VNNI, "fma 0" without AVX-512. */
+ * chains to cover each instruction's latency; and AMX tdpbf16ps on 4 accumulator tiles (16 x 16
+ * outputs x 32 bf16 products each, 8192 multiply-adds). Prints "vnni <G MAC/s> fma <G MAC/s>
+ * amx_bf16 <G MAC/s>"; 0 for what the compiler does not target or the OS does not grant. */
 #include <stdio.h>
 #include <time.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+static const struct {
+    unsigned char palette, start_row, reserved[14];
+    unsigned short colsb[16];
+    unsigned char rows[16];
+} CONFIG __attribute__((aligned(64))) = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+static double amx_bf16(double (*clock)(void)) {
+    static unsigned char a[1024] __attribute__((aligned(64))), b[1024] __attribute__((aligned(64)));
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 0;
+    _tile_loadconfig(&CONFIG);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a, 64);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b, 64);
+    const long iters = 5000000;
+    const double t0 = clock();
+    for (long n = 0; n < iters; n++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    const double t = clock() - t0;
+    _tile_stored(0, a, 64);
+    _tile_release();
+    return 4.0 * iters * 8192 / t / 1e9;
+}
 #endif
 
 static double now(void) {
@@ -46,6 +82,10 @@ int main(void) {
     for (int i = 0; i < CHAINS; i++) fs += _mm512_reduce_add_ps(f[i]);
     if (fs == 1) puts("");
 #endif
-    printf("vnni %.2f fma %.2f\n", vnni, fma);
+    double amx = 0;
+#if defined(__AMX_BF16__)
+    amx = amx_bf16(now);
+#endif
+    printf("vnni %.2f fma %.2f amx_bf16 %.2f\n", vnni, fma, amx);
     return 0;
 }

@@ -33,6 +33,9 @@ MODES.update({"int8-widen": MODES["int8"], "q4_1-widen": MODES["q4_1"]})
 # The same weights over a bf16 KV cache (EngineConfig.kv_cache_dtype): half the K/V bytes.
 MODES.update({f"{m}-kvbf16": dict(MODES[m], kv_cache_dtype="bfloat16") for m in ("fp32", "int8", "q4_1")})
 MODE_ENV = {m: {"GENPOOL_QUANT_COMPUTE": "bf16"} for m in ("int8-widen", "q4_1-widen")}
+# int8 on the dot products alone where "auto" would take AMX tiles for prompt-sized products.
+MODES["int8-vnni"] = MODES["int8"]
+MODE_ENV["int8-vnni"] = {"GENPOOL_QUANT_COMPUTE": "vnni"}
 SCORE_TOKENS = 128  # tokens per scored paragraph
 KV_BLOCKS = 2048  # the same KV cache in every mode (its resident part is subtracted from the RSS compared)
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
@@ -181,10 +184,11 @@ def measure(llm, reqs) -> dict:
 
 def products(llm, cpu_qgemm) -> str:
     """How the quantized layers multiply, from the layouts they were packed in: "vnni" (integer dot
-    products), the widening kernel's "fp32" / "bf16", or both joined by "+" where widths differ
-    (AVX2 dots int4 weights only)."""
+    products), "amx+vnni" (prompt-sized products on AMX tiles), the widening kernel's "fp32" /
+    "bf16", or several joined by "+" where widths differ (AVX2 dots int4 weights only)."""
     widen = "bf16" if cpu_qgemm.bf16_prefill() else "fp32"
-    kinds = {"vnni" if m.packed.layout == "vnni" else widen for m in llm.llm_engine.runner.model.modules()
+    kinds = {("amx+vnni" if m.packed.struct.amx else "vnni") if m.packed.layout == "vnni" else widen
+             for m in llm.llm_engine.runner.model.modules()
              if isinstance(getattr(m, "packed", None), cpu_qgemm.QPackedWeight)}
     return "+".join(sorted(kinds)) or widen
 

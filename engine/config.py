@@ -17,7 +17,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KERNEL_BACKENDS = settings.KERNEL_BACKENDS  # "auto", "cpu", "torch", "triton"
-QUANT_COMPUTE = settings.QUANT_COMPUTE  # "auto", "vnni", "bf16", "fp32"
+QUANT_COMPUTE = settings.QUANT_COMPUTE  # "auto", "amx", "vnni", "bf16", "fp32"
 # Fields with a row in schemas/settings.py default to None, "not given": __post_init__ fills them
 # from their environment variable, else the row's default (explicit > env > default), and
 # records where each came from in `setting_sources` (the worker's start line prints it).

@@ -22,7 +22,7 @@ ENV = {"cpu_gemm": "GENPOOL_CPU_GEMM", "quant_compute": "GENPOOL_QUANT_COMPUTE",
 @dataclass(frozen=True)
 class KernelSettings:
     cpu_gemm: bool = True  # fp32 linear layers and prefill attention on our tile kernels
-    quant_compute: str = "auto"  # kernels/cpu/qgemm.py compute_mode(): auto, vnni, bf16, fp32
+    quant_compute: str = "auto"  # kernels/cpu/qgemm.py compute_mode(): auto, amx, vnni, bf16, fp32
     huge_pages: bool = True  # packed weights in huge-page memory
 
     @classmethod

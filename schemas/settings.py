@@ -62,7 +62,7 @@ class Setting:
 
 
 KERNEL_BACKENDS = ("auto", "cpu", "torch", "triton")  # engine/config.py checks the same names
-QUANT_COMPUTE = ("auto", "vnni", "bf16", "fp32")  # kernels/cpu/qgemm.py COMPUTE_MODES
+QUANT_COMPUTE = ("auto", "amx", "vnni", "bf16", "fp32")  # kernels/cpu/qgemm.py COMPUTE_MODES
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("GENPOOL_KERNEL_BACKEND", "EngineConfig", "kernel_backend", choice(*KERNEL_BACKENDS),
@@ -70,7 +70,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("GENPOOL_CPU_GEMM", "EngineConfig", "cpu_gemm", parse_bool, True,
             "fp32 linear layers and prefill attention on genpool's C tile kernels (0: torch's)"),
     Setting("GENPOOL_QUANT_COMPUTE", "EngineConfig", "quant_compute", choice(*QUANT_COMPUTE),
-            "auto", "how quantized products compute: auto, vnni, bf16, fp32 (falls back down)"),
+            "auto", "how quantized products compute: auto, amx, vnni, bf16, fp32 (falls back down)"),
     Setting("GENPOOL_HUGE_PAGES", "EngineConfig", "huge_pages", parse_bool, True,
             "packed CPU weights in huge-page memory (MADV_HUGEPAGE)"),
     Setting("GENPOOL_MALLOC_TUNE", "EngineConfig", "malloc_tune", parse_bool, True,

@@ -37,9 +37,9 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-strict-aliasing", "-ffp
 _loaded: dict[str, ctypes.CDLL | None] = {}
 # Libraries built from more than their own file: the other kernels' sources they call into
 # (compiled into the same library, each file its own translation unit).
-LINKED = {"cpu_decode_layers": ("cpu_gemm", "cpu_qgemm", "cpu_qgemm_vnni", "cpu_rms_norm", "cpu_rotary",
+LINKED = {"cpu_decode_layers": ("cpu_gemm", "cpu_qgemm", "cpu_qgemm_vnni", "cpu_qgemm_amx", "cpu_rms_norm", "cpu_rotary",
                                  "cpu_write_kv", "cpu_decode_attention"),
-          "cpu_qgemm": ("cpu_qgemm_vnni",)}
+          "cpu_qgemm": ("cpu_qgemm_vnni", "cpu_qgemm_amx")}
 # The kernels' thread pool (cpu_pool.c): its own library, linked by every other one.
 POOL = "cpu_pool"
 # The `dtype` argument of every C kernel: which element type its tensors hold.

@@ -42,6 +42,8 @@
 #define UNIT_PANELS 1
 #endif
 enum { VP = 16, AB = 32, MAX_R = TILE_ROWS, CHUNK_TILES = 16, ROW_SPLIT_TILES = 4 };
+/* From this many rows, weights packed for AMX (qweight_t.amx) run on its bf16 tiles (cpu_qgemm_amx.c). */
+enum { AMX_MIN_ROWS = 32 };
 
 typedef struct {
     const qweight_t *w;
@@ -312,6 +314,10 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
 int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
                int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
+    if (w->amx && m >= AMX_MIN_ROWS) {
+        const int rc = qamx_gemm(x, w, bias, y, m, k, n, ldx, ldy, 0, nthreads);
+        if (rc != -3) return rc; /* -3: not a weight the tiles take; the dot products do */
+    }
     vq_t a = {w, 0, 0, 0, bias, y, m, k, n, ldy, 0};
     return run(&a, x, ldx, nthreads);
 #else
@@ -325,6 +331,10 @@ int qvnni_gemm_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, i
                       int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
     if (inter < VP || inter % VP) return -4;
+    if (w->amx && m >= AMX_MIN_ROWS) {
+        const int rc = qamx_gemm(x, w, 0, y, m, k, inter, ldx, ldy, inter / VP, nthreads);
+        if (rc != -3) return rc;
+    }
     vq_t a = {w, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
     return run(&a, x, ldx, nthreads);
 #else

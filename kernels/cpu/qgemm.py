@@ -29,7 +29,8 @@ from genpool.kernels.settings import kernel_settings
 class QWeightStruct(ctypes.Structure):
     """cpu_qgemm.h's qweight_t."""
     _fields_ = [("q", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("group", ctypes.c_int64), ("bits", ctypes.c_int64), ("layout", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("bits", ctypes.c_int64), ("layout", ctypes.c_int64),
+                ("amx", ctypes.c_int64)]
 
 
 LAYOUTS = {"panels": 0, "vnni": 1}  # cpu_qgemm.h QLAYOUT_*
@@ -63,7 +64,7 @@ def _widen_bf16_kernel():
 BF16_PREFILL_ROWS = 128
 
 
-COMPUTE_MODES = ("auto", "vnni", "bf16", "fp32")
+COMPUTE_MODES = ("auto", "amx", "vnni", "bf16", "fp32")
 
 
 @cache
@@ -79,13 +80,23 @@ def vnni_available() -> bool:
     return dot_bits() != 0
 
 
+@cache
+def amx_available() -> bool:
+    """int8 weights' prompt-sized products run on AMX tiles here (cpu_qgemm_amx.c: the CPU has them
+    and the OS granted their state to this process)."""
+    fn = cpu_build.function("cpu_qgemm", "qamx_ready", [], ctypes.c_int)
+    return bool(dot_bits() & 8) and fn is not None and bool(fn())
+
+
 def _bf16_hardware() -> bool:
     return (cpu_build.cpu_has("amx_bf16") or cpu_build.cpu_has("avx512_bf16")) and _widen_bf16_kernel() is not None
 
 
 def compute_mode() -> str:
     """How quantized products compute here (kernel_settings().quant_compute: EngineConfig.quant_compute
-    or GENPOOL_QUANT_COMPUTE, default auto): "vnni" int8 dot products where the CPU has them; else
+    or GENPOOL_QUANT_COMPUTE, default auto): "amx" where int8 weights' products of 16 rows or more
+    can run on AMX tiles (the same results as "vnni", bit for bit); "vnni" int8 dot products where the
+    CPU has them; else
     "bf16" (widening kernel, prompt-sized products in bf16 on bf16 hardware); else "fp32". A mode
     the CPU lacks falls back down that list."""
     return _compute_mode(kernel_settings().quant_compute)
@@ -95,9 +106,11 @@ def compute_mode() -> str:
 def _compute_mode(want: str) -> str:
     if want not in COMPUTE_MODES:
         raise ValueError(f"quant_compute={want!r}: choose one of {', '.join(COMPUTE_MODES)}")
-    if want in ("auto", "vnni") and vnni_available():
+    if want in ("auto", "amx") and amx_available():
+        return "amx"
+    if want in ("auto", "amx", "vnni") and vnni_available():
         return "vnni"
-    if want in ("auto", "vnni", "bf16") and _bf16_hardware():
+    if want in ("auto", "amx", "vnni", "bf16") and _bf16_hardware():
         return "bf16"
     return "fp32"
 
@@ -138,7 +151,8 @@ class QPackedWeight:
     def __init__(self, w: QTensor, bias: torch.Tensor | None = None, layout: str | None = None):
         self.n, self.k = w.shape
         self.bits, self.group, self.fmt = w.bits, w.group, w.fmt
-        self.layout = layout or ("vnni" if compute_mode() == "vnni" and vnni_fits(w) else "panels")
+        mode = compute_mode()
+        self.layout = layout or ("vnni" if mode in ("amx", "vnni") and vnni_fits(w) else "panels")
         if self.layout == "vnni" and not vnni_fits(w):
             raise ValueError(f"no VNNI layout for {w.fmt} {w.shape} group {w.group} on this build")
         nr = VNNI_PANEL if self.layout == "vnni" else panel_width()
@@ -158,7 +172,7 @@ class QPackedWeight:
             raise ValueError(f"bias {tuple(self.bias.shape)} for {self.n} outputs")
         self.struct = QWeightStruct(self.q.data_ptr(), self.scales.data_ptr(),
                                     None if self.offsets is None else self.offsets.data_ptr(), self.group, self.bits,
-                                    LAYOUTS[self.layout])
+                                    LAYOUTS[self.layout], int(mode == "amx" and self.layout == "vnni"))
         half = self.n // 2  # gate | up, each whole panels: the SwiGLU epilogue can take it
         self.swiglu_fusable = self.bias is None and self.n % 2 == 0 and half >= nr and half % nr == 0
 

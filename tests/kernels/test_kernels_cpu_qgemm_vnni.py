@@ -21,6 +21,15 @@ pytestmark = pytest.mark.skipif(not (cpu_qgemm.available() and cpu_qgemm.vnni_av
 BITS = {"int8": 8, "q8_0": 8, "int4": 4, "int4-g128": 4, "int4-no-offset": 4}
 
 
+@pytest.fixture(autouse=True)
+def _dot_products_only():
+    """These tests hold the vpdpbusd arithmetic; on AMX machines "auto" would send prompt-sized int8
+    products to the tiles (tests/kernels/test_kernels_cpu_qgemm_amx.py)."""
+    from genpool.kernels.settings import kernel_settings_as
+    with kernel_settings_as(quant_compute="vnni"):
+        yield
+
+
 def _needs(kind: str) -> None:
     if not BITS[kind] & cpu_qgemm.dot_bits():
         pytest.skip(f"{kind} weights do not run on this build's dot products (AVX2: int4 only)")
@@ -114,12 +123,15 @@ def test_vnni_swiglu_is_silu_mul_of_the_product(m, kind):
 
 
 def test_compute_mode_follows_the_environment(monkeypatch):
+    from genpool.kernels import settings as kernel_settings_module
+    best = "amx" if cpu_qgemm.amx_available() else "vnni"
+    monkeypatch.setattr(kernel_settings_module, "_current", None)  # the environment's, as before an engine
     try:
-        for env, mode in (("fp32", "fp32"), ("vnni", "vnni"), ("", "vnni"), ("auto", "vnni")):
+        for env, mode in (("fp32", "fp32"), ("vnni", "vnni"), ("amx", best), ("", best), ("auto", best)):
             monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", env)
             cpu_qgemm.compute_mode.cache_clear()
             assert cpu_qgemm.compute_mode() == mode
-            want = "vnni" if mode == "vnni" else "panels"
+            want = "vnni" if mode in ("amx", "vnni") else "panels"
             assert cpu_qgemm.QPackedWeight(_weight("int4", 32, 64)).layout == want
         monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", "int3")
         cpu_qgemm.compute_mode.cache_clear()
