@@ -76,7 +76,7 @@ def floor_table(summary: dict, model_dir: str, prompt_tokens: int, requests: int
             floor = macs / (peaks[kind] * 1e9)
             lines.append(f"| {m} | {seconds:.2f} | {gen} | {macs / 1e12:.3f} T | {floor:.2f} s ({kind}) | "
                          f"{floor / seconds:.0%} |")
-            if m == "int8" and peaks.get("amx_bf16"):
+            if m.split("-")[0] == "int8" and m != "int8-vnni" and peaks.get("amx_bf16"):
                 amx = macs / (peaks["amx_bf16"] * 1e9)
                 lines.append(f"| {m} | {seconds:.2f} | {gen} | {macs / 1e12:.3f} T | {amx:.2f} s (amx_bf16) | "
                              f"{amx / seconds:.0%} |")

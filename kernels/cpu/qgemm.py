@@ -88,6 +88,11 @@ def amx_available() -> bool:
     return bool(dot_bits() & 8) and fn is not None and bool(fn())
 
 
+def amx_fits(w: QTensor) -> bool:
+    """cpu_qgemm_amx.c takes it: int8, one scale per output channel, no offset, K a multiple of 32."""
+    return w.bits == 8 and w.group == w.shape[1] and w.offset is None and w.shape[1] % 32 == 0
+
+
 def _bf16_hardware() -> bool:
     return (cpu_build.cpu_has("amx_bf16") or cpu_build.cpu_has("avx512_bf16")) and _widen_bf16_kernel() is not None
 
@@ -172,7 +177,7 @@ class QPackedWeight:
             raise ValueError(f"bias {tuple(self.bias.shape)} for {self.n} outputs")
         self.struct = QWeightStruct(self.q.data_ptr(), self.scales.data_ptr(),
                                     None if self.offsets is None else self.offsets.data_ptr(), self.group, self.bits,
-                                    LAYOUTS[self.layout], int(mode == "amx" and self.layout == "vnni"))
+                                    LAYOUTS[self.layout], int(mode == "amx" and self.layout == "vnni" and amx_fits(w)))
         half = self.n // 2  # gate | up, each whole panels: the SwiGLU epilogue can take it
         self.swiglu_fusable = self.bias is None and self.n % 2 == 0 and half >= nr and half % nr == 0
 

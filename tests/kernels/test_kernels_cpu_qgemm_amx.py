@@ -59,6 +59,7 @@ def test_small_batches_and_other_weights_keep_the_dot_products_bits():
     int8 = quantize_int8(torch.randn(64, 128))
     q8_0 = QTensor(torch.randint(-127, 128, (64, 128), dtype=torch.int8), torch.rand(64, 4) * 0.01, None, 8, 32,
                    (64, 128), "Q8_0")  # groups of 32: the tiles would need a scale per group
+    assert _packed(q8_0, "amx").struct.amx == 0 and _packed(int8, "amx").struct.amx == 1
     for w, m in ((int8, 31), (int8, 1), (q8_0, 100)):
         x = torch.randn(m, 128)
         assert torch.equal(cpu_qgemm.qgemm(x, _packed(w, "amx")), cpu_qgemm.qgemm(x, _packed(w, "vnni")))
