@@ -3,7 +3,10 @@
 A job resumed on another worker continues exactly only if that worker computes the same logits and
 reads token ids the same way. So the identity is what decides both: the checkpoint's revision
 (a fingerprint of its files), the dtype, the quantization, the tokenizer, and the KV cache's dtype
-where it is not the model's (bf16 K/V under an fp32 model change the logits). The worker records
+where it is not the model's (bf16 K/V under an fp32 model change the logits), and for quantized
+weights on the CPU how their products compute (kernels/cpu/qgemm.py compute_mode(): int8 dot
+products quantize activations, AMX tiles round them to bf16, the widening kernel keeps them fp32;
+a fleet of mixed CPUs picks different ones under "auto"). The worker records
 `identity.key` (or `to_dict()`) with a job's first token; a taker whose identity `mismatch()`es
 restarts the job instead, and `mismatch()` says why.
 
@@ -39,6 +42,7 @@ class ModelIdentity:
     quantization: str | None  # None, "int8", "gguf", "awq" (an AWQ checkpoint counts unasked)
     tokenizer: str  # hash of the tokenizer's full definition and chat template (hex)
     kv_cache_dtype: str | None = None  # None: the model's dtype; else the cache's ("bfloat16")
+    products: str | None = None  # quantized on the CPU: "amx", "vnni", "bf16" or "fp32"; else None
 
     @property
     def key(self) -> str:
@@ -46,12 +50,14 @@ class ModelIdentity:
         fields = [getattr(self, f) for f in _COMPARED]
         if self.kv_cache_dtype is not None:  # absent from the keys of engines with the model's KV dtype
             fields.append(self.kv_cache_dtype)
+        if self.products is not None:  # absent from the keys of unquantized engines
+            fields.append(["products", self.products])
         blob = json.dumps(fields).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
     def mismatch(self, other: "ModelIdentity") -> str | None:
         """Why a job started on `self` cannot continue exactly on `other` (None: it can)."""
-        diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}" for f in (*_COMPARED, "kv_cache_dtype")
+        diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}" for f in (*_COMPARED, "kv_cache_dtype", "products")
                  if getattr(self, f) != getattr(other, f)]
         return "model identity differs: " + ", ".join(diffs) if diffs else None
 
@@ -60,7 +66,8 @@ class ModelIdentity:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelIdentity":
-        return cls(**{f: data[f] for f in ("model", *_COMPARED)}, kv_cache_dtype=data.get("kv_cache_dtype"))
+        return cls(**{f: data[f] for f in ("model", *_COMPARED)}, kv_cache_dtype=data.get("kv_cache_dtype"),
+                   products=data.get("products"))
 
 
 def _file_fingerprint(h, path: Path) -> None:
@@ -106,8 +113,18 @@ def model_identity(config: EngineConfig, model_path: Path, tokenizer) -> ModelId
     from genpool.engine.models.quant import checkpoint_quantization
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
+    quantization = checkpoint_quantization(cfg, config.quantization)
     return ModelIdentity(
         model=str(config.model), revision=revision_fingerprint(model_path),
-        dtype=DTYPES[config.dtype], quantization=checkpoint_quantization(cfg, config.quantization),
+        dtype=DTYPES[config.dtype], quantization=quantization,
         tokenizer=tokenizer_fingerprint(tokenizer),
-        kv_cache_dtype=None if config.kv_dtype_name == DTYPES[config.dtype] else config.kv_dtype_name)
+        kv_cache_dtype=None if config.kv_dtype_name == DTYPES[config.dtype] else config.kv_dtype_name,
+        products=_cpu_products(config) if quantization else None)
+
+
+def _cpu_products(config: EngineConfig) -> str | None:
+    """How quantized products compute on this CPU (the engine applied its kernel settings at start)."""
+    if config.resolved_device() != "cpu":
+        return None
+    from genpool.kernels.cpu import qgemm as cpu_qgemm
+    return cpu_qgemm.compute_mode()

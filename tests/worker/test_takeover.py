@@ -108,3 +108,13 @@ def test_a_log_that_already_ended_is_not_resumed():
                   ResultEvent(text="a", usage=Usage(), finish_reason="stop"))
     t = plan(entries, 1, ME)
     assert t.resume is None and "already ends" in t.restart
+
+
+def test_quantized_products_computed_another_way_restart():
+    """int8 on AMX tiles (bf16 activations) and on dot products (int8 activations) give different logits."""
+    amx = ModelIdentity("m", "rev1", "float32", "int8", "tok1", products="amx")
+    dots = ModelIdentity("m", "rev1", "float32", "int8", "tok1", products="vnni")
+    t = plan(log(tok(0, "a", [1], first=True, identity=amx)), 1, dots)
+    assert t.resume is None and "products 'amx' != 'vnni'" in t.restart
+    assert amx.key != dots.key and ModelIdentity.from_dict(amx.to_dict()) == amx
+    assert plan(log(tok(0, "a", [1], first=True, identity=amx)), 1, amx).resume is not None
