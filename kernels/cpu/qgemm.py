@@ -1,15 +1,16 @@
 """Launcher for kernels/cpu/cpu_qgemm.c and cpu_qgemm_vnni.c: x @ W with W a quantized weight
 (kernels/qtensor.py QTensor) packed once, in one of two layouts chosen by compute_mode():
 
-- "vnni" (the default where the CPU has them): integer dot products, x quantized to int8 per row
-  and block of 32 inputs (cpu_qgemm_vnni.c); close to the exact product, not equal to it. On
-  AVX512-VNNI for int8 and int4 weights, on AVX2 for int4 weights only (dot_bits()); weights of
-  another width keep the panels.
+- "vnni" (compute modes "vnni", and "amx" where the CPU has AMX tiles): integer dot products, x
+  quantized to int8 per row and block of 32 inputs (cpu_qgemm_vnni.c); close to the exact product,
+  not equal to it. On AVX512-VNNI for int8 and int4 weights, on AVX2 for int4 weights only
+  (dot_bits()); weights of another width keep the panels. Under "amx", products of 32+ rows over
+  int8 per-channel weights run on AMX bf16 tiles instead (cpu_qgemm_amx.c, x rounded to bf16).
 - "panels": the fp32 GEMM's column panels widened in registers per slice; for GGUF and AWQ weights
   the fp32 GEMM's bits over the dequantized weight (tests/engine/test_quant.py). Prompt-sized
   products on bf16 hardware take torch's bf16 GEMM over the weight widened per call ("bf16").
 
-GENPOOL_QUANT_COMPUTE picks: auto (default) | vnni | bf16 | fp32 (every product on fp32 FMAs,
+GENPOOL_QUANT_COMPUTE picks: auto (default) | amx | vnni | bf16 | fp32 (every product on fp32 FMAs,
 bit-exact). Reference: `x @ qtensor.dequantize().t()` (kernels/ref.py pack_linear / linear).
 """
 from __future__ import annotations
@@ -99,11 +100,11 @@ def _bf16_hardware() -> bool:
 
 def compute_mode() -> str:
     """How quantized products compute here (kernel_settings().quant_compute: EngineConfig.quant_compute
-    or GENPOOL_QUANT_COMPUTE, default auto): "amx" where int8 weights' products of 16 rows or more
-    can run on AMX tiles (the same results as "vnni", bit for bit); "vnni" int8 dot products where the
-    CPU has them; else
-    "bf16" (widening kernel, prompt-sized products in bf16 on bf16 hardware); else "fp32". A mode
-    the CPU lacks falls back down that list."""
+    or GENPOOL_QUANT_COMPUTE, default auto): "amx" where the CPU has AMX tiles and the OS grants
+    them: "vnni", except that products of 32 rows or more over int8 per-channel weights run on bf16
+    tiles (x rounded to bf16, closer to the exact product than vnni's int8 blocks); "vnni" int8 dot
+    products where the CPU has them; else "bf16" (widening kernel, prompt-sized products in bf16 on
+    bf16 hardware); else "fp32". A mode the CPU lacks falls back down that list."""
     return _compute_mode(kernel_settings().quant_compute)
 
 
