@@ -76,3 +76,29 @@ def test_results_do_not_depend_on_the_thread_count():
         assert torch.equal(cpu_qgemm.qgemm(x, packed), one)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_forked_child_runs_the_tiles():
+    """Celery's prefork workers: the child inherits the tile permission and gets a pool of its own."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent("""
+        import os, torch
+        from genpool.engine.models.quant import quantize_int8
+        from genpool.kernels.cpu import qgemm
+        from genpool.kernels.settings import kernel_settings_as
+        torch.set_num_threads(2)
+        with kernel_settings_as(quant_compute="amx"):
+            w = qgemm.QPackedWeight(quantize_int8(torch.randn(256, 128)))
+        assert w.struct.amx == 1
+        x = torch.randn(64, 128)
+        want = qgemm.qgemm(x, w)  # the parent has run the tiles
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if all(torch.equal(qgemm.qgemm(x, w), want) for _ in range(10)) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
