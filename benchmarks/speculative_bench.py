@@ -86,8 +86,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--mix", type=int, default=48, help="held-out mix requests (0: skip)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-batch", type=int, default=NGRAM["disable_by_batch_size"],
+                    help="running sequences above which nobody drafts (16 forces drafts on this table's batches; "
+                         "the engine's default is 4)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    NGRAM["disable_by_batch_size"] = args.max_batch
     common = dict(dtype="float32", num_threads=args.threads, enable_prefix_caching=False)
     llms = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=NGRAM, **common)}
     tok = llms["off"].get_tokenizer()
