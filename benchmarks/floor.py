@@ -8,8 +8,8 @@ at the machine's measured peak multiply-add rate.
 - Peak: benchmarks/cpu_peak.c (built here with the system compiler, -march=native), run on every
   core at once: zmm vpdpbusd chains (int8, 64 multiply-adds each), zmm vfmadd231ps (fp32, 16) and,
   where the CPU has AMX, tdpbf16ps tiles (8192). int8 and q4_1 modes are held to the VNNI peak (issue
-  34's floor), fp32 to the FMA peak; on an AMX CPU, where int8 weights' prompt products run on bf16
-  tiles, the int8 row also gives its share of a floor at the AMX bf16 peak.
+  34's floor), fp32 to the FMA peak; the int8-amx modes (prompt products on AMX bf16 tiles) also
+  give their share of a floor at the AMX bf16 peak.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def floor_table(summary: dict, model_dir: str, prompt_tokens: int, requests: int
             floor = macs / (peaks[kind] * 1e9)
             lines.append(f"| {m} | {seconds:.2f} | {gen} | {macs / 1e12:.3f} T | {floor:.2f} s ({kind}) | "
                          f"{floor / seconds:.0%} |")
-            if m.split("-")[0] == "int8" and m != "int8-vnni" and peaks.get("amx_bf16"):
+            if m.startswith("int8-amx") and peaks.get("amx_bf16"):
                 amx = macs / (peaks["amx_bf16"] * 1e9)
                 lines.append(f"| {m} | {seconds:.2f} | {gen} | {macs / 1e12:.3f} T | {amx:.2f} s (amx_bf16) | "
                              f"{amx / seconds:.0%} |")

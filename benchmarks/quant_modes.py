@@ -33,9 +33,9 @@ MODES.update({"int8-widen": MODES["int8"], "q4_1-widen": MODES["q4_1"]})
 # The same weights over a bf16 KV cache (EngineConfig.kv_cache_dtype): half the K/V bytes.
 MODES.update({f"{m}-kvbf16": dict(MODES[m], kv_cache_dtype="bfloat16") for m in ("fp32", "int8", "q4_1")})
 MODE_ENV = {m: {"GENPOOL_QUANT_COMPUTE": "bf16"} for m in ("int8-widen", "q4_1-widen")}
-# int8 on the dot products alone where "auto" would take AMX tiles for prompt-sized products.
-MODES["int8-vnni"] = MODES["int8"]
-MODE_ENV["int8-vnni"] = {"GENPOOL_QUANT_COMPUTE": "vnni"}
+# int8 with its products of 32+ rows on AMX tiles (opt-in: kernels/cpu/qgemm.py compute_mode()).
+MODES.update({"int8-amx": MODES["int8"], "int8-amx-kvbf16": MODES["int8-kvbf16"]})
+MODE_ENV.update({m: {"GENPOOL_QUANT_COMPUTE": "amx"} for m in ("int8-amx", "int8-amx-kvbf16")})
 SCORE_TOKENS = 128  # tokens per scored paragraph
 KV_BLOCKS = 2048  # the same KV cache in every mode (its resident part is subtracted from the RSS compared)
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")

@@ -1,7 +1,7 @@
 """Launcher for kernels/cpu/cpu_qgemm.c and cpu_qgemm_vnni.c: x @ W with W a quantized weight
 (kernels/qtensor.py QTensor) packed once, in one of two layouts chosen by compute_mode():
 
-- "vnni" (compute modes "vnni", and "amx" where the CPU has AMX tiles): integer dot products, x
+- "vnni" (compute modes "vnni", and "amx" where asked for and the CPU has AMX tiles): integer dot products, x
   quantized to int8 per row and block of 32 inputs (cpu_qgemm_vnni.c); close to the exact product,
   not equal to it. On AVX512-VNNI for int8 and int4 weights, on AVX2 for int4 weights only
   (dot_bits()); weights of another width keep the panels. Under "amx", products of 32+ rows over
@@ -100,11 +100,12 @@ def _bf16_hardware() -> bool:
 
 def compute_mode() -> str:
     """How quantized products compute here (kernel_settings().quant_compute: EngineConfig.quant_compute
-    or GENPOOL_QUANT_COMPUTE, default auto): "amx" where the CPU has AMX tiles and the OS grants
-    them: "vnni", except that products of 32 rows or more over int8 per-channel weights run on bf16
-    tiles (x rounded to bf16, closer to the exact product than vnni's int8 blocks); "vnni" int8 dot
-    products where the CPU has them; else "bf16" (widening kernel, prompt-sized products in bf16 on
-    bf16 hardware); else "fp32". A mode the CPU lacks falls back down that list."""
+    or GENPOOL_QUANT_COMPUTE, default auto): "amx" only when asked for, where the CPU has AMX tiles
+    and the OS grants them: "vnni", except that products of 32 rows or more over int8 per-channel
+    weights run on bf16 tiles (x rounded to bf16: faster, closer to the exact product, but a row's
+    result then depends on its batch); "vnni" (auto's first choice) int8 dot products where the CPU
+    has them; else "bf16" (widening kernel, prompt-sized products in bf16 on bf16 hardware); else
+    "fp32". A mode the CPU lacks falls back down that list."""
     return _compute_mode(kernel_settings().quant_compute)
 
 
@@ -112,7 +113,7 @@ def compute_mode() -> str:
 def _compute_mode(want: str) -> str:
     if want not in COMPUTE_MODES:
         raise ValueError(f"quant_compute={want!r}: choose one of {', '.join(COMPUTE_MODES)}")
-    if want in ("auto", "amx") and amx_available():
+    if want == "amx" and amx_available():  # opt-in: its rows depend on their batch (docs/kernels.md)
         return "amx"
     if want in ("auto", "amx", "vnni") and vnni_available():
         return "vnni"
