@@ -70,17 +70,14 @@ def floor_table(summary: dict, model_dir: str, prompt_tokens: int, requests: int
     for m, s in summary.items():
         seconds = sum(t / r for t, r in zip(s["tokens"], s["tok_s"])) / len(s["tok_s"])
         gen = s["tokens"][0]
-        kind = PEAK_KIND.get(m.split("-")[0])
-        if kind and peaks.get(kind):
-            macs = linear_macs(model_dir, prompt_tokens + gen - requests, gen)
+        kinds = [k for k in (PEAK_KIND.get(m.split("-")[0]), "amx_bf16" if m.startswith("int8-amx") else None)
+                 if k and peaks.get(k)]
+        macs = linear_macs(model_dir, prompt_tokens + gen - requests, gen) if kinds else 0
+        for kind in kinds:
             floor = macs / (peaks[kind] * 1e9)
             lines.append(f"| {m} | {seconds:.2f} | {gen} | {macs / 1e12:.3f} T | {floor:.2f} s ({kind}) | "
                          f"{floor / seconds:.0%} |")
-            if m.startswith("int8-amx") and peaks.get("amx_bf16"):
-                amx = macs / (peaks["amx_bf16"] * 1e9)
-                lines.append(f"| {m} | {seconds:.2f} | {gen} | {macs / 1e12:.3f} T | {amx:.2f} s (amx_bf16) | "
-                             f"{amx / seconds:.0%} |")
-        else:
+        if not kinds:
             lines.append(f"| {m} | {seconds:.2f} | {gen} | - | - | - |")
     ours = {m: s["tok_s_mean"] for m, s in summary.items() if not m.startswith("llamacpp")}
     peers = {m: s["tok_s_mean"] for m, s in summary.items() if m.startswith("llamacpp")}

@@ -91,12 +91,12 @@ def main() -> None:
                          "the engine's default is 4)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    NGRAM["disable_by_batch_size"] = args.max_batch
+    ngram = dict(NGRAM, disable_by_batch_size=args.max_batch)
     common = dict(dtype="float32", num_threads=args.threads, enable_prefix_caching=False)
-    llms = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=NGRAM, **common)}
+    llms = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=ngram, **common)}
     tok = llms["off"].get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    report = {"config": NGRAM, "copy": {}}
+    report = {"config": ngram, "copy": {}}
     for llm in llms.values():  # warm-up: kernels built
         llm.generate(copy_prompts(tok, 1), greedy.clone(max_tokens=4))
     print("| workload | batch | off tok/s | on tok/s | speedup | off ms/tok | on ms/tok | accepted/drafted |")

@@ -32,6 +32,7 @@ from genpool.engine.config import DTYPES, EngineConfig
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 _SLICES, _SLICE_BYTES = 16, 64 << 10
 _COMPARED = ("revision", "dtype", "quantization", "tokenizer")
+_OPTIONAL = ("kv_cache_dtype", "products")  # compared too; None (the usual case) stays out of the key
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class ModelIdentity:
 
     def mismatch(self, other: "ModelIdentity") -> str | None:
         """Why a job started on `self` cannot continue exactly on `other` (None: it can)."""
-        diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}" for f in (*_COMPARED, "kv_cache_dtype", "products")
+        diffs = [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}" for f in (*_COMPARED, *_OPTIONAL)
                  if getattr(self, f) != getattr(other, f)]
         return "model identity differs: " + ", ".join(diffs) if diffs else None
 
@@ -66,8 +67,7 @@ class ModelIdentity:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelIdentity":
-        return cls(**{f: data[f] for f in ("model", *_COMPARED)}, kv_cache_dtype=data.get("kv_cache_dtype"),
-                   products=data.get("products"))
+        return cls(**{f: data[f] for f in ("model", *_COMPARED)}, **{f: data.get(f) for f in _OPTIONAL})
 
 
 def _file_fingerprint(h, path: Path) -> None:

@@ -106,6 +106,17 @@ static inline void silu_mul_f32(const float *g, const float *u, float *o, int64_
     }
 }
 
+/* One row of a quantized product's tile into y: for SwiGLU (glu = the half width) silu(t[0:glu]) *
+ * t[glu:2 glu], else t[0:cols] plus bias (bias already at the row's first column, or NULL). */
+static inline void tile_row_out(const float *t, float *y, const float *bias, int64_t cols, int64_t glu) {
+    if (glu)
+        silu_mul_f32(t, t + glu, y, glu);
+    else if (bias)
+        for (int64_t j = 0; j < cols; j++) y[j] = t[j] + bias[j];
+    else
+        for (int64_t j = 0; j < cols; j++) y[j] = t[j];
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* The same exp's reduced part on a vector of V (intrinsics prefix W: _mm256 / _mm512): with

@@ -231,6 +231,7 @@ static inline __attribute__((always_inline)) int
 row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s, float *tmp, int64_t next_row,
              const int64_t D) {
     const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
+    const int fast = FAST64 && D == 64, step = fast ? 3 : 1;
     const int32_t *tab = j->tables + row * j->width;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
@@ -240,23 +241,17 @@ row_scores_d(const job_t *j, int64_t row, int64_t len, const float *qf, float *s
         const pf_t next = block_at(j, tab, nb, next_row, b + PF_AHEAD);
         const pf_t also = b == 0 ? block_at(j, tab, nb, next_row, 1) : (pf_t){0, 0, 0};
         for (int64_t h = 0; h < j->hkv; h++) {
-            if (FAST64 && D == 64) {
-                for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += 3) {
-                    const int64_t gc = (h + 1) * G - g0 < 3 ? (h + 1) * G - g0 : 3;
-                    for (int64_t g = g0; g < g0 + gc; g++) prefetch_slice(next, g), prefetch_slice(also, g);
-#if FAST64
+            /* FAST64: K read in place, 3 heads a pass; else a widened block, one head a pass */
+            int64_t st = 0;
+            const float *k = fast ? 0 : block_rows(j, j->k, blk * j->k_sb + h * j->k_sh, j->k_ss, n, D, tmp, &st);
+            for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += step) {
+                const int64_t gc = (h + 1) * G - g0 < step ? (h + 1) * G - g0 : step;
+                for (int64_t g = g0; g < g0 + gc; g++) prefetch_slice(next, g), prefetch_slice(also, g);
+                if (fast)
                     CASES64(dots64, gc, j->kv_dtype, qf + g0 * D, j->k, blk * j->k_sb + h * j->k_sh, j->k_ss, n,
                             s + g0 * len + b * bs, len)
-#endif
-                }
-                continue;
-            }
-            int64_t st;
-            const float *k = block_rows(j, j->k, blk * j->k_sb + h * j->k_sh, j->k_ss, n, D, tmp, &st);
-            for (int64_t g = h * G; g < (h + 1) * G; g++) {
-                prefetch_slice(next, g);
-                prefetch_slice(also, g);
-                dots(qf + g * D, k, st, n, s + g * len + b * bs, D);
+                else
+                    dots(qf + g0 * D, k, st, n, s + g0 * len + b * bs, D);
             }
         }
     }
@@ -269,29 +264,23 @@ static inline __attribute__((always_inline)) void
 row_values_d(const job_t *j, int64_t row, int64_t len, const float *p, float *acc, float *tmp, int64_t next_row,
              const int64_t D) {
     const int64_t G = j->hq / j->hkv, bs = j->bs, nb = (len + bs - 1) / bs;
+    const int fast = FAST64 && D == 64, step = fast ? 3 : HEADS_AT_ONCE;
     const int32_t *tab = j->tables + row * j->width;
     memset(acc, 0, sizeof(float) * j->hq * D);
     for (int64_t b = 0; b < nb; b++) {
         const int64_t blk = tab[b], n = len - b * bs < bs ? len - b * bs : bs;
         const pf_t next = block_at(j, tab, nb, next_row, nb + b + PF_AHEAD); /* past V: next row's K */
         for (int64_t h = 0; h < j->hkv; h++) {
-            if (FAST64 && D == 64) {
-                for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += 3) {
-                    const int64_t gc = (h + 1) * G - g0 < 3 ? (h + 1) * G - g0 : 3;
-                    for (int64_t g = g0; g < g0 + gc; g++) prefetch_slice(next, g);
-#if FAST64
+            int64_t st = 0;
+            const float *v = fast ? 0 : block_rows(j, j->v, blk * j->v_sb + h * j->v_sh, j->v_ss, n, D, tmp, &st);
+            for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += step) {
+                const int64_t gc = (h + 1) * G - g0 < step ? (h + 1) * G - g0 : step;
+                for (int64_t g = g0; g < g0 + gc; g++) prefetch_slice(next, g);
+                if (fast)
                     CASES64(axpys64, gc, j->kv_dtype, p + g0 * len + b * bs, len, j->v, blk * j->v_sb + h * j->v_sh,
                             j->v_ss, n, acc + g0 * D)
-#endif
-                }
-                continue;
-            }
-            int64_t st;
-            const float *v = block_rows(j, j->v, blk * j->v_sb + h * j->v_sh, j->v_ss, n, D, tmp, &st);
-            for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += HEADS_AT_ONCE) {
-                const int64_t gc = (h + 1) * G - g0 < HEADS_AT_ONCE ? (h + 1) * G - g0 : HEADS_AT_ONCE;
-                for (int64_t g = g0; g < g0 + gc; g++) prefetch_slice(next, g);
-                axpys_group(p + g0 * len + b * bs, len, v, st, n, acc + g0 * D, D, gc);
+                else
+                    axpys_group(p + g0 * len + b * bs, len, v, st, n, acc + g0 * D, D, gc);
             }
         }
     }

@@ -90,5 +90,6 @@ axpys64(const float *p, int64_t ps, const void *v, int64_t off, int64_t st, int6
     }
 #else
 #define FAST64 0
+#define CASES64(...) {} /* never reached: FAST64 is 0 */
 #endif
 #endif

@@ -58,10 +58,10 @@ static const tilecfg_t CONFIG __attribute__((aligned(64))) = {
 
 typedef struct {
     const qweight_t *w;
-    const uint16_t *xb; /* [MP][K] bf16 */
+    const uint16_t *xb; /* [M rounded up to ROWS][K] bf16 */
     const float *bias;
     float *y;
-    int64_t m, mp, k, n, ldy, glu;
+    int64_t m, k, n, ldy, glu;
 } amx_t;
 
 /* x rows [lo, hi) to bf16, rounded to nearest even (vcvtneps2bf16). */
@@ -132,17 +132,12 @@ static void emit(const amx_t *a, int64_t r, const int64_t *pan, int C, float *ou
     const int64_t rows = a->m - r < ROWS ? a->m - r : ROWS, col = pan[0] * VP;
     const int64_t cols = a->glu ? VP : (a->n - col < C * VP ? a->n - col : C * VP);
     for (int64_t i = 0; i < rows; i++) {
-        float *t = out + i * C * VP, *y = a->y + (r + i) * a->ldy + col;
+        float *t = out + i * C * VP;
         for (int c = 0; c < C; c++) {
             const __m512 s = _mm512_loadu_ps(a->w->scales + pan[c] * VP); /* one group: scales [P][1][16] */
             _mm512_storeu_ps(t + c * VP, _mm512_mul_ps(_mm512_loadu_ps(t + c * VP), s));
         }
-        if (a->glu)
-            silu_mul_f32(t, t + VP, y, VP);
-        else if (a->bias)
-            for (int64_t j = 0; j < cols; j++) y[j] = t[j] + a->bias[col + j];
-        else
-            memcpy(y, t, sizeof(float) * cols);
+        tile_row_out(t, a->y + (r + i) * a->ldy + col, a->bias ? a->bias + col : 0, cols, a->glu ? VP : 0);
     }
 }
 
@@ -176,7 +171,7 @@ int qamx_gemm(const float *x, const qweight_t *w, const float *bias, float *y, i
     memset(xb + m * k, 0, sizeof(uint16_t) * (mp - m) * k);
     const tobf_t t = {x, ldx, k, xb};
     int rc = parallel_rows(to_bf16, &t, m, k, nthreads);
-    const amx_t a = {w, xb, bias, y, m, mp, k, n, ldy, glu};
+    const amx_t a = {w, xb, bias, y, m, k, n, ldy, glu};
     const int64_t units = glu ? n / VP : ((n + VP - 1) / VP + 1) / 2;
     if (!rc) rc = parallel_rows(by_units, &a, units, mp * k * 2 * VP, nthreads);
     free(xb);

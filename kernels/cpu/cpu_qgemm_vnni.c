@@ -256,18 +256,9 @@ static void block(const vq_t *a, int64_t r0, int64_t r1, int64_t u0, int64_t u1)
         for (int64_t r = r0; r < r1; r += MAX_R) {
             const int R = (int)(r1 - r < MAX_R ? r1 - r : MAX_R);
             tile_any(a, r, R, pan, C, out);
-            for (int i = 0; i < R; i++) {
-                float *y = a->y + (r + i) * a->ldy + col;
-                const float *t = out + i * C * VP;
-                if (a->glu) {
-                    silu_mul_f32(t, t + VP, y, VP);
-                    continue;
-                }
-                if (a->bias)
-                    for (int64_t j = 0; j < cols; j++) y[j] = t[j] + a->bias[col + j];
-                else
-                    memcpy(y, t, sizeof(float) * cols);
-            }
+            for (int i = 0; i < R; i++)
+                tile_row_out(out + i * C * VP, a->y + (r + i) * a->ldy + col, a->bias ? a->bias + col : 0, cols,
+                             a->glu ? VP : 0);
         }
     }
 }
@@ -292,6 +283,10 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
     if ((w->bits != 8 && w->bits != 4) || w->group <= 0 || w->group % AB || a->k % w->group || a->m < 0 || a->n <= 0)
         return -2;
     if (a->m == 0) return 0;
+    if (w->amx && a->m >= AMX_MIN_ROWS) {
+        const int rc = qamx_gemm(x, w, a->bias, a->y, a->m, a->k, a->n, ldx, a->ldy, a->glu, nthreads);
+        if (rc != -3) return rc; /* -3: not a weight the tiles take; the dot products do */
+    }
     const int64_t G = a->k / w->group, B = a->k / AB;
     int8_t *xq = malloc((size_t)(a->m * a->k));
     float *fs = malloc(sizeof(float) * a->m * (B + G));
@@ -314,10 +309,6 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
 int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
                int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
-    if (w->amx && m >= AMX_MIN_ROWS) {
-        const int rc = qamx_gemm(x, w, bias, y, m, k, n, ldx, ldy, 0, nthreads);
-        if (rc != -3) return rc; /* -3: not a weight the tiles take; the dot products do */
-    }
     vq_t a = {w, 0, 0, 0, bias, y, m, k, n, ldy, 0};
     return run(&a, x, ldx, nthreads);
 #else
@@ -331,10 +322,6 @@ int qvnni_gemm_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, i
                       int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
     if (inter < VP || inter % VP) return -4;
-    if (w->amx && m >= AMX_MIN_ROWS) {
-        const int rc = qamx_gemm(x, w, 0, y, m, k, inter, ldx, ldy, inter / VP, nthreads);
-        if (rc != -3) return rc;
-    }
     vq_t a = {w, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
     return run(&a, x, ldx, nthreads);
 #else

@@ -66,6 +66,7 @@ BF16_PREFILL_ROWS = 128
 
 
 COMPUTE_MODES = ("auto", "amx", "vnni", "bf16", "fp32")
+DOT_MODES = ("amx", "vnni")  # the compute modes that pack the vnni layout (integer dot products)
 
 
 @cache
@@ -159,7 +160,7 @@ class QPackedWeight:
         self.n, self.k = w.shape
         self.bits, self.group, self.fmt = w.bits, w.group, w.fmt
         mode = compute_mode()
-        self.layout = layout or ("vnni" if mode in ("amx", "vnni") and vnni_fits(w) else "panels")
+        self.layout = layout or ("vnni" if mode in DOT_MODES and vnni_fits(w) else "panels")
         if self.layout == "vnni" and not vnni_fits(w):
             raise ValueError(f"no VNNI layout for {w.fmt} {w.shape} group {w.group} on this build")
         nr = VNNI_PANEL if self.layout == "vnni" else panel_width()

@@ -124,7 +124,7 @@ def test_awq_layers_on_int8_dot_products_stay_close_to_the_dequantized_ones(awq_
     from genpool.kernels import get_backend
     from genpool.kernels.cpu import qgemm as cpu_qgemm
     cpu_qgemm.compute_mode.cache_clear()
-    if cpu_qgemm.compute_mode() not in ("amx", "vnni"):
+    if cpu_qgemm.compute_mode() not in cpu_qgemm.DOT_MODES:
         pytest.skip("this CPU or build has no AVX512-VNNI")
     path, _, _ = awq_path
     fast, ref = load_model(path, kern=get_backend("cpu")), load_model(path)

@@ -286,7 +286,7 @@ def test_prompt_sized_products_stay_close_in_every_compute_mode(mode, monkeypatc
         if cpu_qgemm.compute_mode() == "fp32":
             assert packed.layout == "panels"
             assert torch.equal(got, cpu_gemm.gemm(x, cpu_gemm.PackedWeight(w.dequantize().t().contiguous())))
-        assert packed.layout == ("vnni" if cpu_qgemm.compute_mode() in ("amx", "vnni") else "panels")
+        assert packed.layout == ("vnni" if cpu_qgemm.compute_mode() in cpu_qgemm.DOT_MODES else "panels")
     finally:
         cpu_qgemm.compute_mode.cache_clear()
 

@@ -131,7 +131,7 @@ def test_compute_mode_follows_the_environment(monkeypatch):
             monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", env)
             cpu_qgemm.compute_mode.cache_clear()
             assert cpu_qgemm.compute_mode() == mode
-            want = "vnni" if mode in ("amx", "vnni") else "panels"
+            want = "vnni" if mode in cpu_qgemm.DOT_MODES else "panels"
             assert cpu_qgemm.QPackedWeight(_weight("int4", 32, 64)).layout == want
         monkeypatch.setenv("GENPOOL_QUANT_COMPUTE", "int3")
         cpu_qgemm.compute_mode.cache_clear()
