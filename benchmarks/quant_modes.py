@@ -185,7 +185,7 @@ def measure(llm, reqs) -> dict:
 def products(llm, cpu_qgemm) -> str:
     """How the quantized layers multiply, from the layouts they were packed in: "vnni" (integer dot
     products), "amx+vnni" (products of 32+ rows on AMX tiles, the rest on dots), the widening
-    kernel's "fp32" / "bf16", or several joined by "+" where they differ (AVX2 dots int4 only)."""
+    kernel's "fp32" / "bf16", or several joined by "+" where they differ (a model whose layers mix widths or groups)."""
     widen = "bf16" if cpu_qgemm.bf16_prefill() else "fp32"
     kinds = {("amx+vnni" if m.packed.struct.amx else "vnni") if m.packed.layout == "vnni" else widen
              for m in llm.llm_engine.runner.model.modules()

@@ -20,10 +20,10 @@
  * rounding errors stop cancelling.)
  * The int32 sums cannot overflow for K < 60,000 (|u * xq| <= 255 * 127 a byte pair).
  * Threads split panels for decode-sized batches, rows for prompt-sized ones, as cpu_qgemm.c does.
- * Written on cpu_qdot.h's 16-lane vectors: vpdpbusd on AVX512-VNNI (int8 and int4 weights); on
- * AVX2, vpmaddubsw + vpmaddwd, exact for int4 weights only (cpu_qdot.h says why). qvnni_available()
- * returns the weight widths that run here (8 | 4, 4, or 0), and the packer keeps the widening
- * layout for the others. Returns 0, or -1 out of memory, -2 a bad argument, -3 weights of a width
+ * Written on cpu_qdot.h's 16-lane vectors: vpdpbusd on AVX512-VNNI; on AVX2, vpmaddubsw + vpmaddwd
+ * (int8 with vpsignb, cpu_qdot.h), whose int32 sums, and so results, are the same bits.
+ * qvnni_available() returns the weight widths that run here (8 | 4, or 0), and the packer keeps
+ * the widening layout for the others. Returns 0, or -1 out of memory, -2 a bad argument, -3 weights of a width
  * that does not run here. */
 #include "cpu_common.h"
 #include "cpu_qdot.h"
@@ -34,11 +34,11 @@
 /* A tile: TILE_ROWS rows x UNIT_PANELS panels. On AVX-512, 4 x 2 panels of int32 and fp32 sums
  * fill the 32 registers. AVX2 has 16 of half the width: 2 x 1 (measured on Zen 1: 3 or 4 rows, or
  * two panels a tile, were no faster within that machine's noise). */
-#if QDOT_BITS & 8
+#if QDOT_512
 #define TILE_ROWS 4
 #define UNIT_PANELS 2
 #else
-#define TILE_ROWS 2
+#define TILE_ROWS 4
 #define UNIT_PANELS 1
 #endif
 enum { VP = 16, AB = 32, MAX_R = TILE_ROWS, CHUNK_TILES = 16, ROW_SPLIT_TILES = 4 };
@@ -50,6 +50,7 @@ typedef struct {
     const int8_t *xq;        /* [M][K] */
     const float *dx;         /* [M][K / AB]: activation scale per block */
     const float *sx;         /* [M][G]: sum over the group's blocks of dx * sum(xq) (offset, shift) */
+    const int32_t *xs;       /* [M][K / AB]: sum(xq) per block (the int8 sums' start, QDOT_DP8_BASE) */
     const float *bias;
     float *y;
     int64_t m, k, n, ldy;
@@ -61,40 +62,6 @@ int qvnni_available(void) {
 }
 
 #if QDOT_BITS
-static inline int32_t load_i32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-/* One block of AB inputs: q = round(x / d) to nearest even (as cvtps under MXCSR's default),
- * d = max|x| / 127; returns sum(q). |x / d| <= 127, so no value saturates. */
-static inline int32_t quantize_block(const float *x, int8_t *q, float *d) {
-    float mx = 0.f;
-#if QDOT_BITS & 8
-    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-    mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-#else
-    for (int i = 0; i < AB; i++) mx = fmaxf(mx, fabsf(x[i]));
-#endif
-    const float inv = mx > 0.f ? 127.f / mx : 0.f;
-    *d = mx / 127.f;
-#if QDOT_BITS & 8
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
-    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-#else
-    int32_t sum = 0;
-    for (int i = 0; i < AB; i++) {
-        const int32_t v = (int32_t)nearbyintf(x[i] * inv);
-        q[i] = (int8_t)v;
-        sum += v;
-    }
-    return sum;
-#endif
-}
 
 /* Rows [lo, hi) of x quantized per block of AB: xq = round(x / dx), dx = max|x| / 127; sx per
  * weight group: sum over its blocks of dx * sum(xq). */
@@ -103,6 +70,7 @@ typedef struct {
     int64_t ldx, k, g;
     int8_t *xq;
     float *dx, *sx;
+    int32_t *xs;
 } quant_t;
 
 static int quantize_rows(const void *arg, int64_t lo, int64_t hi) {
@@ -113,8 +81,9 @@ static int quantize_rows(const void *arg, int64_t lo, int64_t hi) {
             const float *x = a->x + r * a->ldx + b * AB;
             int8_t *q = a->xq + r * a->k + b * AB;
             float d;
-            const int32_t qsum = quantize_block(x, q, &d);
+            const int32_t qsum = qd_quantize32(x, q, &d);
             a->dx[r * B + b] = d;
+            a->xs[r * B + b] = qsum;
             if (b % per == 0) a->sx[r * G + b / per] = 0.f;
             a->sx[r * G + b / per] += d * (float)qsum;
         }
@@ -133,13 +102,17 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
     const qweight_t *w = a->w;
     const int64_t K = a->k, g = w->group, G = K / g, B = K / AB;
     const int64_t pbytes = w->bits == 8 ? K * VP : K * VP / 2; /* one panel's bytes */
-    const vi_t nib = vi_set1_8(15);
     const vf_t shift = vf_set1(w->bits == 8 ? -128.f : 0.f);
+#if QDOT_512
     vf_t acc[MAX_R][2];
+#define ACC(r, c) acc[r][c]
+#else /* the fp32 sums wait in out (L1): AVX2's 16 registers hold a block's int32 sums and weights */
+#define ACC(r, c) (*(vf_t *)(out + ((r) * C + (c)) * VP))
+#endif
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
-        for (int c = 0; c < C; c++) acc[r][c] = vf_zero();
+        for (int c = 0; c < C; c++) ACC(r, c) = vf_zero();
     for (int64_t gi = 0; gi < G; gi++) {
         vf_t s[2];
 #pragma GCC unroll 2
@@ -147,54 +120,21 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
         for (int64_t b = gi * g / AB; b < (gi + 1) * g / AB; b++) {
             vi_t ia[MAX_R][2];
             const int8_t *xb = a->xq + r0 * K + b * AB;
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-                for (int c = 0; c < C; c++) ia[r][c] = vi_zero();
             if (w->bits == 8) {
-#pragma GCC unroll 1 /* unrolled, GCC hoists every broadcast of the block and spills them */
-                for (int t = 0; t < AB / 4; t++) {
-                    vi_t wv[2];
-#pragma GCC unroll 2
-                    for (int c = 0; c < C; c++) wv[c] = vi_load(w->q + pan[c] * pbytes + (b * AB / 4 + t) * 64);
-#pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
-                        const vi_t xv = vi_set1_32(load_i32(xb + r * K + 4 * t));
-#pragma GCC unroll 2
-                        for (int c = 0; c < C; c++) ia[r][c] = vi_dpbusd(ia[r][c], wv[c], xv);
-                    }
-                }
+                const uint8_t *wp[2] = {w->q + pan[0] * pbytes + b * AB * VP, w->q + pan[C - 1] * pbytes + b * AB * VP};
+                dots8(ia, R, C, wp, xb, K, a->xs + r0 * B + b, B);
             } else {
-#pragma GCC unroll 1
-                for (int t = 0; t < AB / 8; t++) {
-                    vi_t lo[2], hi[2];
-#pragma GCC unroll 2
-                    for (int c = 0; c < C; c++) {
-                        const vi_t v = vi_load(w->q + pan[c] * pbytes + (b * AB / 8 + t) * 64);
-                        lo[c] = vi_and(v, nib);
-                        hi[c] = vi_and(vi_srli16_4(v), nib);
-                    }
-#pragma GCC unroll 4
-                    for (int r = 0; r < R; r++) {
-                        const vi_t xl = vi_set1_32(load_i32(xb + r * K + 8 * t));
-                        const vi_t xh = vi_set1_32(load_i32(xb + r * K + 8 * t + 4));
-#pragma GCC unroll 2
-                        for (int c = 0; c < C; c++)
-                            ia[r][c] = vi_dp_nibbles(ia[r][c], lo[c], xl, hi[c], xh);
-                    }
-                }
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-                    for (int c = 0; c < C; c++) ia[r][c] = vi_nibble_sums(ia[r][c]);
+                const uint8_t *wp[2] = {w->q + pan[0] * pbytes + b * AB * VP / 2, w->q + pan[C - 1] * pbytes + b * AB * VP / 2};
+                dots4(ia, R, C, wp, xb, K);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const vf_t d = vf_set1(a->dx[(r0 + r) * B + b]);
 #pragma GCC unroll 2
                 for (int c = 0; c < C; c++)
-                    acc[r][c] = vf_fmadd(vi_to_f(ia[r][c]), ONE ? d : vf_mul(s[c], d), acc[r][c]);
+                    ACC(r, c) = vf_fmadd(vi_to_f(ia[r][c]), ONE ? d : vf_mul(s[c], d), ACC(r, c));
             }
+            if (!QDOT_512) __asm__ volatile("" ::: "memory"); /* keeps GCC from holding out's sums in registers */
         }
         if (w->offsets || w->bits == 8) {
 #pragma GCC unroll 2
@@ -204,20 +144,23 @@ static inline __attribute__((always_inline)) void tile(const vq_t *a, int64_t r0
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const vf_t sx = vf_set1(a->sx[(r0 + r) * G + gi]);
-                    acc[r][c] = ONE ? vf_fmadd(acc[r][c], s[c], vf_mul(f, sx)) : vf_fmadd(f, sx, acc[r][c]);
+                    ACC(r, c) = ONE ? vf_fmadd(ACC(r, c), s[c], vf_mul(f, sx)) : vf_fmadd(f, sx, ACC(r, c));
                 }
             }
         } else if (ONE) {
 #pragma GCC unroll 2
             for (int c = 0; c < C; c++)
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) acc[r][c] = vf_mul(acc[r][c], s[c]);
+                for (int r = 0; r < R; r++) ACC(r, c) = vf_mul(ACC(r, c), s[c]);
         }
     }
+#if QDOT_512
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
         for (int c = 0; c < C; c++) vf_store(out + (r * C + c) * VP, acc[r][c]);
+#endif
+#undef ACC
 }
 
 #define TILE_CASE(R, C) \
@@ -247,7 +190,7 @@ static inline int64_t units_of(const vq_t *a) {
 
 /* Rows [r0, r1) x units [u0, u1): per unit, every row tile (the unit's weights stay in L1). */
 static void block(const vq_t *a, int64_t r0, int64_t r1, int64_t u0, int64_t u1) {
-    float out[MAX_R * 2 * VP];
+    float out[MAX_R * 2 * VP] __attribute__((aligned(64)));
     const int64_t panels = (a->n + VP - 1) / VP;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t p = a->glu ? u : UNIT_PANELS * u, pan[2] = {p, a->glu ? p + a->glu : p + 1};
@@ -290,18 +233,19 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
     const int64_t G = a->k / w->group, B = a->k / AB;
     int8_t *xq = malloc((size_t)(a->m * a->k));
     float *fs = malloc(sizeof(float) * a->m * (B + G));
+    int32_t *xs = malloc(sizeof(int32_t) * a->m * B);
     int rc = -1;
-    if (xq && fs) {
-        const quant_t qa = {x, ldx, a->k, w->group, xq, fs, fs + a->m * B};
+    if (xq && fs && xs) {
+        const quant_t qa = {x, ldx, a->k, w->group, xq, fs, fs + a->m * B, xs};
         rc = parallel_rows(quantize_rows, &qa, a->m, a->k, nthreads);
-        a->xq = xq, a->dx = fs, a->sx = fs + a->m * B;
+        a->xq = xq, a->dx = fs, a->sx = fs + a->m * B, a->xs = xs;
         const int64_t tiles = (a->m + MAX_R - 1) / MAX_R, pair = a->glu ? 2 : 1;
         if (!rc)
             rc = tiles >= ROW_SPLIT_TILES * nthreads
                      ? parallel_rows(by_rows, a, tiles, a->k * a->n * pair, nthreads)
                      : parallel_rows(by_units, a, units_of(a), a->m * a->k * UNIT_PANELS * VP * pair, nthreads);
     }
-    free(xq), free(fs);
+    free(xq), free(fs), free(xs);
     return rc;
 }
 #endif
@@ -309,7 +253,7 @@ static int run(vq_t *a, const float *x, int64_t ldx, int nthreads) {
 int qvnni_gemm(const float *x, const qweight_t *w, const float *bias, float *y, int64_t m, int64_t k, int64_t n,
                int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
-    vq_t a = {w, 0, 0, 0, bias, y, m, k, n, ldy, 0};
+    vq_t a = {w, 0, 0, 0, 0, bias, y, m, k, n, ldy, 0};
     return run(&a, x, ldx, nthreads);
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)m, (void)k, (void)n, (void)ldx, (void)ldy, (void)nthreads;
@@ -322,7 +266,7 @@ int qvnni_gemm_swiglu(const float *x, const qweight_t *w, float *y, int64_t m, i
                       int64_t ldx, int64_t ldy, int nthreads) {
 #if QDOT_BITS
     if (inter < VP || inter % VP) return -4;
-    vq_t a = {w, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
+    vq_t a = {w, 0, 0, 0, 0, 0, y, m, k, inter, ldy, inter / VP};
     return run(&a, x, ldx, nthreads);
 #else
     (void)x, (void)w, (void)y, (void)m, (void)k, (void)inter, (void)ldx, (void)ldy, (void)nthreads;

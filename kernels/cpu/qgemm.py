@@ -3,8 +3,8 @@
 
 - "vnni" (compute modes "vnni", and "amx" where asked for and the CPU has AMX tiles): integer dot products, x
   quantized to int8 per row and block of 32 inputs (cpu_qgemm_vnni.c); close to the exact product,
-  not equal to it. On AVX512-VNNI for int8 and int4 weights, on AVX2 for int4 weights only
-  (dot_bits()); weights of another width keep the panels. Under "amx", products of 32+ rows over
+  not equal to it. On AVX512-VNNI and on AVX2, for int8 and int4 weights (dot_bits()), with the
+  same bits on both. Under "amx", products of 32+ rows over
   int8 per-channel weights run on AMX bf16 tiles instead (cpu_qgemm_amx.c, x rounded to bf16).
 - "panels": the fp32 GEMM's column panels widened in registers per slice; for GGUF and AWQ weights
   the fp32 GEMM's bits over the dequantized weight (tests/engine/test_quant.py). Prompt-sized
@@ -72,7 +72,7 @@ DOT_MODES = ("amx", "vnni")  # the compute modes that pack the vnni layout (inte
 @cache
 def dot_bits() -> int:
     """Weight widths the dot-product kernel runs on this build (bit 8: int8, bit 4: int4):
-    8 | 4 on AVX512-VNNI, 4 on AVX2 (vpmaddubsw, exact for int4 only), 0 elsewhere."""
+    8 | 4 on AVX512-VNNI and on AVX2 (vpmaddubsw; int8 through vpsignb), 0 elsewhere."""
     fn = cpu_build.function("cpu_qgemm", "qvnni_available", [], ctypes.c_int)
     return int(fn()) if fn is not None else 0
 

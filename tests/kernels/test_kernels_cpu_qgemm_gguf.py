@@ -53,7 +53,7 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
 
 def _needs(ttype: str) -> None:
     if not QUANT_TYPES[ttype][0] & cpu_qgemm.dot_bits():
-        pytest.skip(f"{ttype} does not run on this build's dot products (AVX2: int4 only)")
+        pytest.skip(f"{ttype} does not run on this build's dot products")
 
 
 @pytest.mark.parametrize("m", ROWS)

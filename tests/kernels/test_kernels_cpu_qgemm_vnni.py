@@ -1,5 +1,5 @@
-"""kernels/cpu/cpu_qgemm_vnni.c: quantized products on integer dot products (AVX512-VNNI: int8 and
-int4 weights; AVX2: int4 weights only).
+"""kernels/cpu/cpu_qgemm_vnni.c: quantized products on integer dot products (AVX512-VNNI's vpdpbusd;
+AVX2's vpmaddubsw, with vpsignb for int8 weights).
 
 The kernel quantizes each row of x to int8 per block of 32 inputs and multiplies bytes, so it is not the
 exact product; what it must be is exactly that arithmetic: the same result as a float64 emulation
@@ -32,7 +32,7 @@ def _dot_products_only():
 
 def _needs(kind: str) -> None:
     if not BITS[kind] & cpu_qgemm.dot_bits():
-        pytest.skip(f"{kind} weights do not run on this build's dot products (AVX2: int4 only)")
+        pytest.skip(f"{kind} weights do not run on this build's dot products ")
 
 
 def _weight(kind: str, n: int, k: int) -> QTensor:
@@ -85,6 +85,23 @@ def test_vnni_product_is_its_integer_arithmetic_and_close_to_the_exact_one(m, n,
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * scale)
     exact = x @ w.dequantize().t() + bias
     assert ((got - exact).norm() / exact.norm()) < 0.02  # int8 activations: ~0.5% here
+
+
+def test_int8_extremes_are_summed_exactly():
+    """The largest byte products on every build: weights of -128 and 127 against activations of
+    +-127 (AVX2 multiplies |q| by x carrying q's sign in 16-bit pair sums, which must not saturate)."""
+    _needs("q8_0")
+    n, k = 40, 256
+    torch.manual_seed(1)
+    q = torch.tensor([-128, 127, -127, 0, 1, -1], dtype=torch.int8)[torch.randint(0, 6, (n, k))]
+    q[0], q[1] = -128, 127  # whole rows at the extremes
+    w = QTensor(q, torch.rand(n, k // 32) * 0.01 + 0.001, None, 8, 32, (n, k), "Q8_0")
+    x = torch.randn(9, k).sign() * 2  # every block's max is 2: each activation quantizes to +-127
+    x[0], x[1] = 2.0, -2.0
+    got = cpu_qgemm.qgemm(x, cpu_qgemm.QPackedWeight(w, layout="vnni"))
+    want = emulate(x, w, None)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
+    assert torch.allclose(got, x @ w.dequantize().t(), rtol=1e-4, atol=1e-3)
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
