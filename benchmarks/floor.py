@@ -6,10 +6,12 @@ at the machine's measured peak multiply-add rate.
   + 3 x H x I); every sampled row (one per generated token) costs the lm_head, H x V. Attention,
   norms and sampling are left out, so the floor is lower than anything can reach.
 - Peak: benchmarks/cpu_peak.c (built here with the system compiler, -march=native), run on every
-  core at once: zmm vpdpbusd chains (int8, 64 multiply-adds each), zmm vfmadd231ps (fp32, 16) and,
-  where the CPU has AMX, tdpbf16ps tiles (8192). int8 and q4_1 modes are held to the VNNI peak (issue
-  34's floor), fp32 to the FMA peak; the int8-amx modes (prompt products on AMX bf16 tiles) also
-  give their share of a floor at the AMX bf16 peak.
+  core at once: the integer dot products the quantized kernels use (AVX512-VNNI's vpdpbusd, 64
+  multiply-adds each, for int8 and int4; on AVX2, vpmaddubsw + vpmaddwd + vpaddd for int8 and
+  vpmaddubsw + vpaddw for int4, 32 each), vfmadd231ps (fp32, 16 or 8) and, where the CPU has AMX,
+  tdpbf16ps tiles (8192). int8 modes are held to the int8 peak (issue 34's floor), q4_1 to the int4
+  one, fp32 to the FMA peak; the int8-amx modes (prompt products on AMX bf16 tiles) also give their
+  share of a floor at the AMX bf16 peak.
 """
 from __future__ import annotations
 
@@ -20,12 +22,12 @@ import subprocess
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEAK_KIND = {"int8": "vnni", "q4_1": "vnni", "fp32": "fma"}  # a mode's products -> the peak it is held to
+PEAK_KIND = {"int8": "int8", "q4_1": "int4", "fp32": "fma"}  # a mode's products -> the peak it is held to
 
 
 def measure_peaks(cores: int | None = None) -> dict:
-    """{"vnni": G MAC/s, "fma": G MAC/s} over `cores` copies of cpu_peak run at once (default: every
-    core); {} where no compiler is found."""
+    """{"int8", "int4", "fma", "amx_bf16": G MAC/s, "cores": n} over `cores` copies of cpu_peak run at
+    once (default: every core); {} where no compiler is found."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return {}
@@ -35,8 +37,8 @@ def measure_peaks(cores: int | None = None) -> dict:
         subprocess.run([cc, "-O2", "-march=native", "-o", exe, os.path.join(HERE, "cpu_peak.c")], check=True)
         procs = [subprocess.Popen([exe], stdout=subprocess.PIPE, text=True) for _ in range(cores)]
         outs = [p.communicate()[0].split() for p in procs]
-    return {"vnni": sum(float(o[1]) for o in outs), "fma": sum(float(o[3]) for o in outs),
-            "amx_bf16": sum(float(o[5]) for o in outs if len(o) > 5), "cores": cores}
+    peaks = {name: sum(float(o[o.index(name) + 1]) for o in outs) for name in ("int8", "int4", "fma", "amx_bf16")}
+    return {**peaks, "cores": cores}
 
 
 def linear_macs(model_dir: str, rows: int, sampled: int) -> int:
@@ -61,10 +63,10 @@ if __name__ == "__main__":
 def floor_table(summary: dict, model_dir: str, prompt_tokens: int, requests: int, peaks: dict) -> str:
     """Per mode: its mean seconds over the mix, its floor (its own generated tokens) and the share
     of the floor it reaches; then genpool's best mode against llama.cpp's best."""
-    lines = [f"Floor: {peaks.get('cores')} cores, peak {peaks.get('vnni', 0):.1f} G int8 multiply-adds/s "
-             f"(vpdpbusd), {peaks.get('fma', 0):.1f} G fp32 (vfmadd231ps) and {peaks.get('amx_bf16', 0):.1f} G "
-             f"bf16 on AMX tiles (tdpbf16ps); {prompt_tokens} prompt tokens, "
-             f"{requests} requests", "",
+    lines = [f"Floor: {peaks.get('cores')} cores, peak {peaks.get('int8', 0):.1f} G int8 multiply-adds/s, "
+             f"{peaks.get('int4', 0):.1f} G int4 (integer dot products), {peaks.get('fma', 0):.1f} G fp32 "
+             f"(vfmadd231ps) and {peaks.get('amx_bf16', 0):.1f} G bf16 on AMX tiles (tdpbf16ps); "
+             f"{prompt_tokens} prompt tokens, {requests} requests", "",
              "| mode | seconds (mean) | generated | linear multiply-adds | floor | share of the floor |",
              "|---|---|---|---|---|---|"]
     for m, s in summary.items():
