@@ -90,12 +90,14 @@ static double r512f(__m512 a) { return _mm512_reduce_add_ps(a); }
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512VNNI__)
 /* AVX2's int8 and int4 sequences in assembly: GCC kept spilling chained intrinsics here. Four
  * independent sums, each fed by its own multiplicand register, one step = 4 sequences. */
-#define SEQ8(x, t, acc) "vpmaddubsw %%ymm15, " x ", " t "\n vpmaddwd %%ymm14, " t ", " t "\n vpaddd " t ", " acc ", " acc "\n"
+#define SEQ8(x, t, acc) \
+    "vpmaddubsw %%ymm15, " x ", " t "\n vpmaddwd %%ymm14, " t ", " t "\n vpaddd " t ", " acc ", " acc "\n"
 #define SEQ4(x, t, acc) "vpmaddubsw %%ymm15, " x ", " t "\n vpaddw " t ", " acc ", " acc "\n"
-#define CLOBBERS "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11", "ymm14", "ymm15"
+#define CLOBBERS \
+    "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11", "ymm14", "ymm15"
 static double avx2_seq_rate(int bits) {
-    __asm__ volatile("vpcmpeqw %%ymm14, %%ymm14, %%ymm14\n vpsrlw $15, %%ymm14, %%ymm14\n vpxor %%ymm15, %%ymm15, %%ymm15"
-                     ::: "ymm14", "ymm15");
+    __asm__ volatile("vpcmpeqw %%ymm14, %%ymm14, %%ymm14\n vpsrlw $15, %%ymm14, %%ymm14\n"
+                     "vpxor %%ymm15, %%ymm15, %%ymm15" ::: "ymm14", "ymm15");
     const double t0 = now();
     for (long n = 0; n < ITERS; n++) {
         if (bits == 8)

@@ -13,9 +13,14 @@
 #ifndef GENPOOL_CPU_QDOT_H
 #define GENPOOL_CPU_QDOT_H
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+static inline int32_t qd_load_i32(const int8_t *p) { /* 4 activation bytes, to broadcast */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QDOT_BITS (8 | 4)
@@ -23,11 +28,6 @@
 #define QDOT_DP8_BASE 0
 typedef __m512i vi_t;
 typedef __m512 vf_t;
-static inline int32_t qd_load_i32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 /* One block of 32 inputs: q = round(x / d) to nearest even (as cvtps under MXCSR's default),
  * d = max|x| / 127; returns sum(q). |x / d| <= 127, so no value saturates. */
 static inline int32_t qd_quantize32(const float *x, int8_t *q, float *d) {
@@ -107,11 +107,6 @@ static inline __attribute__((always_inline)) void dots4(vi_t ia[][2], const int 
 #define QDOT_DP8_BASE 128
 typedef struct { __m256i lo, hi; } vi_t;
 typedef struct { __m256 lo, hi; } vf_t;
-static inline int32_t qd_load_i32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 /* qd_quantize32 on AVX2: the same values (vcvtps2dq rounds as on AVX-512; packs cannot saturate). */
 static inline int32_t qd_quantize32(const float *x, int8_t *q, float *d) {
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -153,7 +148,8 @@ static inline __attribute__((always_inline)) void dots8(vi_t ia[][2], const int 
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const __m256i xv = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 4 * t));
-                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q)), one));
+                    const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q));
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, one));
                 }
             }
 #pragma GCC unroll 4
@@ -193,7 +189,8 @@ static inline __attribute__((always_inline)) void dots4(vi_t ia[][2], const int 
                 for (int r = 0; r < R; r++) {
                     const __m256i xl = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 8 * t));
                     const __m256i xh = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 8 * t + 4));
-                    s[r] = _mm256_add_epi16(s[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                    s[r] = _mm256_add_epi16(s[r], p);
                 }
             }
 #pragma GCC unroll 4
