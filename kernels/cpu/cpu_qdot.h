@@ -126,39 +126,6 @@ static inline int32_t qd_quantize32(const float *x, int8_t *q, float *d) {
     const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
     return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
 }
-/* dots8 on AVX2 (the contract is the AVX-512 one's): per panel and half, q = u - 128 and |q| once
- * per 4-input step; per row, |q| times xq carrying q's sign, widened by vpmaddwd. The sums start at
- * 128 * sum(xq) (xs[r * lds]), so they end at sum(u * xq). One panel half (8 columns) at a time:
- * R rows hold R sums, 2 weight registers and R broadcasts, within AVX2's 16 (a whole panel's 2R
- * sums and 4 weight registers spilled). */
-static inline __attribute__((always_inline)) void dots8(vi_t ia[][2], const int R, const int C, const uint8_t *const *wp,
-                                                        const int8_t *xb, int64_t ldx, const int32_t *xs, int64_t lds) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
-#pragma GCC unroll 2
-    for (int c = 0; c < C; c++)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            __m256i s[4];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) s[r] = _mm256_set1_epi32(QDOT_DP8_BASE * xs[r * lds]);
-#pragma GCC unroll 2 /* 2 steps a loop: measured best on Zen 3 (1: -2%, 8: -13%) */
-            for (int t = 0; t < 8; t++) {
-                const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp[c] + t * 64 + h * 32)), flip);
-                const __m256i aq = _mm256_abs_epi8(q);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m256i xv = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 4 * t));
-                    const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q));
-                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, one));
-                }
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                if (h) ia[r][c].hi = s[r];
-                else ia[r][c].lo = s[r];
-            }
-        }
-}
 static inline vf_t vi_to_f(vi_t a) { return (vf_t){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 static inline vf_t vf_zero(void) { return (vf_t){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline vf_t vf_load(const float *p) { return (vf_t){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -169,36 +136,71 @@ static inline vf_t vf_fmadd(vf_t a, vf_t b, vf_t c) {
     return (vf_t){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 
-/* dots4 on AVX2: one panel half at a time, as dots8. A block's pair sums stay 16-bit and one
- * vpmaddwd widens them at its end: 8 pair sums of at most 2 * 15 * 127 a lane, 30,480 < 32,767. */
-static inline __attribute__((always_inline)) void dots4(vi_t ia[][2], const int R, const int C, const uint8_t *const *wp,
-                                                        const int8_t *xb, int64_t ldx) {
-    const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-#pragma GCC unroll 2
-    for (int c = 0; c < C; c++)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            __m256i s[4];
+/* One panel half (8 columns, h) of a block, for R rows: its int32 sums in s[]. Half by half, R rows
+ * hold R sums, 2 weight registers and R broadcasts, within AVX2's 16 (a whole panel's 2R sums and
+ * 4 weight registers spilled). BITS 8: per 4-input step q = u - 128 and |q| once, then per row |q|
+ * times xq carrying q's sign, widened by vpmaddwd; the sums start at 128 * sum(xq) (xs[r * lds]),
+ * so they end at sum(u * xq). BITS 4: a block's pair sums stay 16-bit and one vpmaddwd widens them
+ * at its end: 8 pair sums of at most 2 * 15 * 127 a lane, 30,480 < 32,767. */
+static inline __attribute__((always_inline)) void half_sums(__m256i *s, const int BITS, const int R, const uint8_t *w,
+                                                            const int8_t *xb, int64_t ldx, const int32_t *xs,
+                                                            int64_t lds) {
+    const __m256i one = _mm256_set1_epi16(1);
+    if (BITS == 8) {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-            for (int t = 0; t < 4; t++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wp[c] + t * 64 + h * 32));
-                const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m256i xl = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 8 * t));
-                    const __m256i xh = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 8 * t + 4));
-                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-                    s[r] = _mm256_add_epi16(s[r], p);
-                }
-            }
+        for (int r = 0; r < R; r++) s[r] = _mm256_set1_epi32(QDOT_DP8_BASE * xs[r * lds]);
+#pragma GCC unroll 2 /* 2 steps a loop: measured best on Zen 3 (1: -2%, 8: -13%) */
+        for (int t = 0; t < 8; t++) {
+            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + t * 64)), flip);
+            const __m256i aq = _mm256_abs_epi8(q);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                if (h) ia[r][c].hi = _mm256_madd_epi16(s[r], one);
-                else ia[r][c].lo = _mm256_madd_epi16(s[r], one);
+                const __m256i xv = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 4 * t));
+                const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q));
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, one));
             }
         }
+        return;
+    }
+    const __m256i nib = _mm256_set1_epi8(15);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int t = 0; t < 4; t++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * 64));
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m256i xl = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 8 * t));
+            const __m256i xh = _mm256_set1_epi32(qd_load_i32(xb + r * ldx + 8 * t + 4));
+            s[r] = _mm256_add_epi16(s[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) s[r] = _mm256_madd_epi16(s[r], one);
+}
+
+/* dots8 / dots4 on AVX2 (the contracts are the AVX-512 ones'): panel by panel, half by half. */
+static inline __attribute__((always_inline)) void dots_halves(vi_t ia[][2], const int BITS, const int R, const int C,
+                                                              const uint8_t *const *wp, const int8_t *xb, int64_t ldx,
+                                                              const int32_t *xs, int64_t lds) {
+#pragma GCC unroll 2
+    for (int c = 0; c < C; c++) {
+        __m256i lo[4], hi[4];
+        half_sums(lo, BITS, R, wp[c], xb, ldx, xs, lds);
+        half_sums(hi, BITS, R, wp[c] + 32, xb, ldx, xs, lds);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) ia[r][c] = (vi_t){lo[r], hi[r]};
+    }
+}
+static inline __attribute__((always_inline)) void dots8(vi_t ia[][2], const int R, const int C, const uint8_t *const *wp,
+                                                        const int8_t *xb, int64_t ldx, const int32_t *xs, int64_t lds) {
+    dots_halves(ia, 8, R, C, wp, xb, ldx, xs, lds);
+}
+static inline __attribute__((always_inline)) void dots4(vi_t ia[][2], const int R, const int C, const uint8_t *const *wp,
+                                                        const int8_t *xb, int64_t ldx) {
+    dots_halves(ia, 4, R, C, wp, xb, ldx, 0, 0);
 }
 
 #else
