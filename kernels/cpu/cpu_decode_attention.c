@@ -96,17 +96,6 @@ static inline const float *block_rows(const job_t *j, const void *base, int64_t 
     return tmp;
 }
 
-/* s[t] = q . k[t * st] for t < n. */
-static inline __attribute__((always_inline)) void
-dots_scalar(const float *q, const float *k, int64_t st, int64_t n, float *s, const int64_t D) {
-    for (int64_t t = 0; t < n; t++) {
-        float a = 0.f;
-#pragma omp simd reduction(+ : a)
-        for (int64_t i = 0; i < D; i++) a += q[i] * k[t * st + i];
-        s[t] = a;
-    }
-}
-
 /* acc[0:D] += sum over t < n of p[t] * v[t * st : +D]; the accumulator stays in registers
  * across the tokens (a local array of constant size D). */
 static inline __attribute__((always_inline)) void
@@ -148,34 +137,6 @@ axpys(const float *p, const float *v, int64_t st, int64_t n, float *acc, const i
     }
 }
 
-/* Lane u of the result = the sum of a[u]'s lanes: eight horizontal sums sharing their shuffles. */
-static inline __m256 hsum8(const __m256 a[8]) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67); /* per 128-bit lane */
-    return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
-}
-
-/* dots_scalar, eight tokens at a time with one accumulator each. One dot product at a time was
- * bound by its chain of dependent FMAs plus a horizontal sum per token (~4x slower, measured):
- * eight independent chains keep both FMA ports busy and share the horizontal sums. */
-static inline __attribute__((always_inline)) void
-dots(const float *q, const float *k, int64_t st, int64_t n, float *s, const int64_t D) {
-    int64_t t = 0;
-    if (D % 8 == 0) {
-        for (; t + 8 <= n; t += 8) {
-            __m256 acc[8];
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + i);
-                for (int u = 0; u < 8; u++)
-                    acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t + u) * st + i), acc[u]);
-            }
-            _mm256_storeu_ps(s + t, hsum8(acc));
-        }
-    }
-    dots_scalar(q, k + t * st, st, n - t, s + t, D);
-}
 /* axpys for gc <= 3 query heads sharing one V block (GQA), 32 columns at a time: each V vector is
  * loaded once for the gc heads (12 accumulators, 3 weights and the vector fill the 16 registers)
  * instead of once per head, which left axpys load-bound. p: head g's weights at p + g * ps. Each
@@ -203,12 +164,11 @@ axpys_heads(const float *p, int64_t ps, const float *v, int64_t st, int64_t n, f
 }
 #define HEADS_AT_ONCE 3
 #else
-#define dots dots_scalar
 #define axpys axpys_scalar
 #define HEADS_AT_ONCE 1
 #endif
 
-#include "cpu_decode_attention512.h" /* FAST64: the AVX-512 loops for head size 64 */
+#include "cpu_attn_dots.h" /* dots, and FAST64's loops: the AVX-512 ones for head size 64 */
 
 /* Heads [g0, g0 + gc) of one kv head over one V block: together where the vector code allows. */
 static inline __attribute__((always_inline)) void

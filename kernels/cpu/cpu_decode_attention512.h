@@ -20,7 +20,7 @@ static inline __m512 ld16(const void *base, int64_t off, const int bf) {
     return _mm512_loadu_ps((const float *)base + off);
 }
 
-/* The 4 lane sums of a[0..3], in order. */
+/* The 4 lane sums of a[0..3], in order; each token's sum in one fixed tree (cpu_attn_dots.h). */
 static inline __m128 hsum4(const __m512 a[4]) {
     __m256 h[4];
     for (int u = 0; u < 4; u++)
@@ -55,7 +55,10 @@ dots64(const float *q, const void *k, int64_t off, int64_t st, int64_t n, float 
             const __m512 kv = ld16(k, off + t * st + 16 * c, bf);
             for (int g = 0; g < gc; g++) acc[g] = _mm512_fmadd_ps(qv[g][c], kv, acc[g]);
         }
-        for (int g = 0; g < gc; g++) s[g * ls + t] = _mm512_reduce_add_ps(acc[g]);
+        for (int g = 0; g < gc; g++) { /* hsum4's tree, as the tokens above: not reduce_add's */
+            const __m512 one[4] = {acc[g], _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            s[g * ls + t] = _mm_cvtss_f32(hsum4(one));
+        }
     }
 }
 

@@ -1,35 +1,42 @@
 /* Causal prefill attention over the paged KV cache on the CPU: fp32 activations, caches in fp32 or
- * bf16 (kv_dtype 1, kv_cache_dtype bfloat16: widened exactly when K^T and V are packed).
+ * bf16 (kv_dtype 1, kv_cache_dtype bfloat16: widened exactly when K and V are packed).
  *
- * Why: torch's CPU flash SDPA needs a gathered copy of K/V and ran prompt-sized sequences
- * (L = 64-350, head_dim 64) at 10-46 GFLOP/s on a Zen 3. Here both products run on the GEMM's
- * register tiles (cpu_tile.h: 6 x 64 on AVX-512, 6 x 16 on AVX2) over packed operands, a whole
- * chunk of up to KCH keys at a time, so the softmax is folded in once per chunk rather than once
- * per 16-key panel as before (3 x 684-token prompts: 12.3 ms against 14.8 per layer on a Zen 4;
- * 1.5-2.1x SDPA at 64-2048 tokens there). The products then run near the FMA peak; the rest is
- * the softmax passes (~16%) and packing K^T / V (~10%), single-thread breakdown.
+ * Each row is decode attention's result for its position, bit for bit (tests/kernels/
+ * test_kernels_cpu_prefill.py): a resumed job prefills positions its first worker decoded one by
+ * one, as do a preempted and recomputed sequence and speculative verification, and their KV must
+ * come out the same for the continuation to be exact. So a row runs decode attention's arithmetic:
+ * scores in its order (cpu_attn_dots.h), one softmax over all the row's keys (max, then
+ * exp_shift_sum), and P V as one FMA chain per element over the keys in order from zero.
+ *
+ * Why a kernel of its own: torch's CPU flash SDPA needs a gathered copy of K/V and ran prompt-sized
+ * sequences (L = 64-350, head_dim 64) at 10-46 GFLOP/s on a Zen 3. Here the rows of a work item
+ * share each packed K and V: the scores take two rows per K load (three on AVX-512), P V runs on
+ * the GEMM's register tiles (cpu_tile.h) over packed V panels. Matching decode's order costs the
+ * scores their horizontal sums: 1.3-1.5x the time of the earlier kernel, which summed q . k along
+ * the GEMM tile and folded the softmax per 512-key chunk (measured on a Zen 3, docs/kernels.md).
  *
  * Work item: (sequence, kv head, qb consecutive query positions). Its R = qb * G rows (the G query
  * heads sharing the kv head; row r = position r / G, head r % G) are copied once (pre-scaled Q);
- * the sequence's K^T and V are packed into panels once per (sequence, kv head), read from the
- * cache in place, and kept across that pair's items (a thread's items are consecutive). Per chunk
- * of keys: S = Q K^T, softmax folded into a running max m and sum l per row, O += P V.
- * Each output row depends on its own position only: chunks start at absolute key positions, a
- * row's softmax runs over exactly the keys it sees, and masked keys enter P V as exact zeros, so
- * results do not depend on the batch, the chunking of the prompt or the threads.
+ * the sequence's K and V are packed once per (sequence, kv head), read from the cache in place,
+ * and kept across that pair's items (a thread's items are consecutive). Scores S = Q K^T over
+ * each row's keys, a chunk of keys at a time; each row's softmax; O += P V a chunk at a time.
+ * Each output row depends on its own position only, so results do not depend on the batch, the
+ * chunking of the prompt or the threads.
  * Sequence i's query rows q_start[i] .. + q_len[i] are its last q_len[i] of kv_len[i] positions,
  * whose K/V are already in the cache. q, out: [T, Hq, D] contiguous; caches [blocks, bs, Hkv, D]
  * with a contiguous last dim. Returns 0, or -1 out of memory, -2 block id out of range, -3 bad
  * lengths, -4 unsupported shape.
  */
 #include "cpu_common.h"
+#include "cpu_attn_dots.h"
 #include "cpu_tile.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* ROWS: query rows an item aims at (8 tiles of 6); KCH: keys per chunk, so that one chunk's
- * scores, packed P and K/V panels stay in L2 (~0.5 MB at D = 64). GC: columns of one tile call. */
+/* ROWS: query rows an item aims at (8 tiles of 6); KCH: keys per chunk of the two products, so
+ * that a chunk's K rows or V panels stay in L2 (~128 KB each at D = 64) across the item's rows.
+ * GC: columns of one tile call. */
 enum { ROWS = 48, KCH = 512, GC = PANEL_COLS * PANEL_GROUP };
 
 typedef struct {
@@ -41,6 +48,7 @@ typedef struct {
     int64_t width, nseq, hq, hkv, d, bs, num_blocks;
     int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh;
     int64_t qb, dpad, lmax; /* query positions per item; D and the longest sequence rounded up to GC */
+    int64_t ls;             /* S's row stride: lmax + a cache line, so that rows 4 KB apart do not share L1 sets */
     float scale;
     int kv_dtype;
 } job_t;
@@ -51,21 +59,22 @@ static inline float kv_at(const job_t *j, const void *base, int64_t off) {
 }
 
 typedef struct {
-    float *qr, *s, *o, *m, *l; /* rows padded to whole tiles: Q [R][D], S then P [R][KCH], O [R][dpad]; [R], [R] */
-    float *kt, *vp;                 /* K^T panels [lmax / PC][D][PC]; V panels [dpad / PC][lmax][PC] */
-    int64_t seq, h, done;           /* whose keys kt / vp hold, and how many are packed */
+    float *qr, *s, *o, *l; /* rows padded to whole tiles: Q [R][D], S then P [R][ls], O [R][dpad]; sums [R] */
+    float *kp, *vp;        /* K rows [lmax][D]; V panels [dpad / PC][lmax][PC] */
+    int64_t seq, h, done;  /* whose keys kp / vp hold, and how many are packed */
 } scratch_t;
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 static inline int64_t tile_height(int64_t R, int64_t i) { return R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Keys [w->done, upto) of (sq, h) into the K^T and V panels; keys past kv_len as zeros. */
+/* Keys [w->done, upto) of (sq, h) into the K rows and V panels; keys past kv_len as zeros. */
 static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t upto) {
     const int64_t D = j->d, PC = PANEL_COLS, kl = j->kv_len[sq];
     const int32_t *tab = j->tables + sq * j->width;
     if (w->seq != sq || w->h != h) w->seq = sq, w->h = h, w->done = 0;
     for (int64_t t = w->done; t < upto; t++) {
-        float *kt = w->kt + (t / PC) * D * PC + t % PC, *vp = w->vp + t * PC;
+        float *kp = w->kp + t * D, *vp = w->vp + t * PC;
         int64_t kr = -1, vr = -1; /* element offsets of the key's K and V rows, or none */
         if (t < kl) {
             const int64_t blk = tab[t / j->bs], off = t % j->bs;
@@ -73,7 +82,8 @@ static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
             kr = blk * j->k_sb + off * j->k_ss + h * j->k_sh;
             vr = blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         }
-        for (int64_t c = 0; c < D; c++) kt[c * PC] = kr >= 0 ? kv_at(j, j->k, kr + c) : 0.f;
+#pragma omp simd
+        for (int64_t c = 0; c < D; c++) kp[c] = kr >= 0 ? kv_at(j, j->k, kr + c) : 0.f;
         for (int64_t c0 = 0; c0 < j->dpad; c0 += PC, vp += j->lmax * PC) /* one panel's PC columns */
 #pragma omp simd
             for (int64_t c = 0; c < PC; c++) vp[c] = vr >= 0 && c0 + c < D ? kv_at(j, j->v, vr + c0 + c) : 0.f;
@@ -93,58 +103,49 @@ static void copy_q(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
     }
 }
 
-/* Fold the chunk's scores (keys c0 .. c0 + n - 1, row r sees up to position first_pos + r / G)
- * into the running softmax: S becomes P (exp, masked entries exactly 0), O's rows are rescaled. */
-static void softmax_chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t c0, int64_t n) {
+/* S = Q K^T, each row over the keys it sees (row r: positions up to first_pos + r / G) and up to
+ * 5 more (rows go in sixes; softmax_rows masks the extra), in decode attention's order
+ * (attn_dots), a chunk of keys at a time for all rows. */
+static void scores(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t last_pos) {
+    const int64_t G = j->hq / j->hkv, D = j->d;
+    for (int64_t c0 = 0; c0 <= last_pos; c0 += KCH)
+        for (int64_t r = 0; r < R; r += 6) {
+            const int64_t rows = min64(R - r, 6), n = min64(first_pos + (r + rows - 1) / G + 1 - c0, KCH);
+            if (n > 0) attn_dots(w->qr + r * D, rows, w->kp + c0 * D, D, n, w->s + r * j->ls + c0, j->ls, D);
+        }
+}
+
+/* Each row's softmax over all its keys at once, as decode attention's: S becomes P (exp(s - max),
+ * unnormalised; entries up to last_pos past the row's keys exactly 0), l its sum. */
+static void softmax_rows(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t last_pos) {
     const int64_t G = j->hq / j->hkv;
     for (int64_t r = 0; r < R; r++) {
-        float *s = w->s + r * KCH;
-        int64_t vis = first_pos + r / G - c0 + 1; /* keys of the chunk this row sees */
-        vis = vis < 0 ? 0 : vis > n ? n : vis;
-        if (vis > 0) {
-            float mx = w->m[r];
+        float *s = w->s + r * j->ls, mx = s[0];
+        const int64_t vis = first_pos + r / G + 1;
 #pragma omp simd reduction(max : mx)
-            for (int64_t t = 0; t < vis; t++) mx = s[t] > mx ? s[t] : mx;
-            const float corr = expf(w->m[r] - mx); /* 0 on the first chunk (m = -inf) */
-            w->m[r] = mx;
-            w->l[r] = w->l[r] * corr + exp_shift_sum(s, vis, mx);
-            if (corr != 1.f)
-                for (int64_t c = 0; c < j->dpad; c++) w->o[r * j->dpad + c] *= corr;
-        }
-#pragma omp simd
-        for (int64_t t = vis; t < n; t++) s[t] = 0.f;
+        for (int64_t t = 1; t < vis; t++) mx = s[t] > mx ? s[t] : mx;
+        w->l[r] = exp_shift_sum(s, vis, mx);
+        for (int64_t t = vis; t <= last_pos; t++) s[t] = 0.f;
     }
 }
 
 /* Keys of the chunk [c0, c0 + n) that tile i's rows see (its last row's position bounds them), <= 0
- * when none: a tile's products stop there, not at the item's last position (an item's first tiles
- * skip up to qb - 1 diagonal keys, and the Q K^T of the last columns needs only one panel). */
+ * when none: a tile's product stops there, not at the item's last position. */
 static inline int64_t tile_keys(const job_t *j, int64_t R, int64_t i, int64_t first_pos, int64_t c0, int64_t n) {
     const int64_t last_row = i * TILE_ROWS + tile_height(R, i) - 1, seen = first_pos + last_row / (j->hq / j->hkv) + 1 - c0;
     return seen < n ? seen : n;
 }
 
-/* One chunk: S = Q K^T for keys [c0, c0 + n), softmax, O += P V. Each tile's rows only as far as
- * they see: their scores past that are masked (softmax_chunk), their P there exact zeros. */
-static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t c0, int64_t n) {
-    const int64_t D = j->d, PC = PANEL_COLS, tiles = tile_count(R);
-    for (int64_t i = 0; i < tiles; i++) {
-        const int64_t mr = tile_height(R, i), ni = tile_keys(j, R, i, first_pos, c0, n);
-        for (int64_t c = 0; c < ni; c += GC) { /* columns past ni: zero-padded or later keys, masked */
-            const float *kt = w->kt + (c0 + c) / PC * D * PC;
-            float *s = w->s + i * TILE_ROWS * KCH + c;
-            if (PANEL_GROUP > 1 && ni - c <= PC) /* the last keys fit one panel */
-                tile_rows(w->qr + i * TILE_ROWS * D, D, 1, kt, 0, 1, D, s, KCH, 0, 0, 0, mr);
-            else
-                tile_rows(w->qr + i * TILE_ROWS * D, D, 1, kt, kt + D * PC, PANEL_GROUP, D, s, KCH, 0, 0, 0, mr);
-        }
-    }
-    softmax_chunk(j, w, R, first_pos, c0, n);
-    for (int64_t i = 0; i < tiles; i++) {
+/* O += P V over the keys [c0, c0 + n): each output element one FMA chain over the keys in order
+ * from zero, carried across chunks (accumulate), as decode attention's. Keys a row does not see
+ * add exact zeros. */
+static void values(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t c0, int64_t n) {
+    const int64_t PC = PANEL_COLS;
+    for (int64_t i = 0; i < tile_count(R); i++) {
         const int64_t mr = tile_height(R, i), ni = tile_keys(j, R, i, first_pos, c0, n);
         for (int64_t c = 0; ni > 0 && c < j->dpad; c += GC) { /* ni keys only: V past them may be unwritten */
             const float *vp = w->vp + (c / PC * j->lmax + c0) * PC;
-            tile_rows(w->s + i * TILE_ROWS * KCH, KCH, 1, vp, vp + j->lmax * PC, PANEL_GROUP, ni,
+            tile_rows(w->s + i * TILE_ROWS * j->ls + c0, j->ls, 1, vp, vp + j->lmax * PC, PANEL_GROUP, ni,
                       w->o + i * TILE_ROWS * j->dpad + c, j->dpad, 1, 0, 0, mr);
         }
     }
@@ -153,15 +154,15 @@ static void chunk(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, in
 /* One work item: positions q0 .. q0 + nq - 1 of sequence `sq`, kv head h. */
 static int item(const job_t *j, int64_t sq, int64_t h, int64_t q0, scratch_t *w) {
     const int64_t G = j->hq / j->hkv, D = j->d, ql = j->q_len[sq], kl = j->kv_len[sq];
-    const int64_t nq = ql - q0 < j->qb ? ql - q0 : j->qb, R = nq * G;
+    const int64_t nq = min64(ql - q0, j->qb), R = nq * G;
     const int64_t first_pos = kl - ql + q0, last_pos = first_pos + nq - 1;
     const int rc = pack_kv(j, w, sq, h, round_up(last_pos + 1, GC));
     if (rc) return rc;
     copy_q(j, w, sq, h, q0, R);
+    scores(j, w, R, first_pos, last_pos);
+    softmax_rows(j, w, R, first_pos, last_pos);
     memset(w->o, 0, sizeof(float) * round_up(R, TILE_ROWS) * j->dpad);
-    for (int64_t r = 0; r < R; r++) w->m[r] = -INFINITY, w->l[r] = 0.f;
-    for (int64_t c0 = 0; c0 <= last_pos; c0 += KCH)
-        chunk(j, w, R, first_pos, c0, last_pos + 1 - c0 < KCH ? last_pos + 1 - c0 : KCH);
+    for (int64_t c0 = 0; c0 <= last_pos; c0 += KCH) values(j, w, R, first_pos, c0, min64(last_pos + 1 - c0, KCH));
     for (int64_t r = 0; r < R; r++) {
         float *dst = j->out + ((j->q_start[sq] + q0 + r / G) * j->hq + h * G + r % G) * D;
         const float inv = 1.f / w->l[r];
@@ -170,20 +171,20 @@ static int item(const job_t *j, int64_t sq, int64_t h, int64_t q0, scratch_t *w)
     return 0;
 }
 
-/* Items [lo, hi) in (sequence, kv head, query block) order. Scratch per thread: the packed K^T
- * and V of the batch's longest sequence, (D + dpad) x lmax floats (2 x 4 MB at 16K tokens, D 64),
- * plus ~0.2 MB of rows. */
+/* Items [lo, hi) in (sequence, kv head, query block) order. Scratch per thread: the packed K and
+ * V of the batch's longest sequence, (D + dpad) x lmax floats (2 x 4 MB at 16K tokens, D 64), the
+ * rows' scores over it, R x lmax (3 MB there), plus ~40 KB of rows. */
 static int items(const void *arg, int64_t lo, int64_t hi) {
     const job_t *j = (const job_t *)arg;
     const int64_t R = round_up(j->qb * (j->hq / j->hkv), TILE_ROWS), D = j->d, dp = j->dpad, L = j->lmax;
-    const int64_t sizes[7] = {R * D, R * KCH, R * dp, R, R, L * D, dp * L};
+    const int64_t sizes[6] = {R * D, R * j->ls, R * dp, R, L * D, dp * L};
     int64_t total = 0;
-    for (int i = 0; i < 7; i++) total += sizes[i];
+    for (int i = 0; i < 6; i++) total += sizes[i];
     float *buf = malloc(sizeof(float) * total);
     if (!buf) return -1;
-    float *part[7];
-    for (int64_t i = 0, off = 0; i < 7; off += sizes[i], i++) part[i] = buf + off;
-    scratch_t w = {part[0], part[1], part[2], part[3], part[4], part[5], part[6], -1, -1, 0};
+    float *part[6];
+    for (int64_t i = 0, off = 0; i < 6; off += sizes[i], i++) part[i] = buf + off;
+    scratch_t w = {part[0], part[1], part[2], part[3], part[4], part[5], -1, -1, 0};
     int status = 0;
     int64_t sq = 0;
     for (int64_t it = lo; it < hi && status == 0; it++) {
@@ -232,7 +233,7 @@ int paged_prefill_attention(const float *q, const void *k, const void *v, float 
     }
     job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs, num_blocks,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
-               qb, round_up(d, GC), round_up(max_kv, GC), scale, kv_dtype};
+               qb, round_up(d, GC), round_up(max_kv, GC), round_up(max_kv, GC) + 16, scale, kv_dtype};
     const int n = total < 1e5 ? 1 : thread_count(nthreads, start[nseq]);
     int64_t bounds[MAX_THREADS + 1];
     split_items(&j, start, total, n, bounds);

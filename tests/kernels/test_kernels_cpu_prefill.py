@@ -1,5 +1,6 @@
 """kernels/cpu/cpu_prefill_attention.c against the reference (one SDPA per sequence over gathered K/V).
 
+Each row is also decode attention's result for its position, bit for bit.
 Cases: whole prompts (q_len == kv_len) and chunks after cached positions (q_len < kv_len), lengths
 around panel and block edges, block sizes smaller than, equal to and larger than the 16-token
 panel (and not a multiple of it), GQA and no GQA, head sizes 64 and 128, several sequences in one
@@ -143,3 +144,26 @@ def test_bf16_caches_give_the_bits_of_their_fp32_widening(seqs):
     ref_out = torch.zeros_like(q)  # the reference widens the gathered K/V to q's dtype
     ref.prefill_rows(q, kb, vb, tables, starts, qls, kvls, 0.125, ref_out)
     torch.testing.assert_close(got, ref_out, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,kv", [
+    (4, 2, 16, 16, 40),     # the tiny test model's heads
+    (9, 3, 64, 16, 77),     # SmolLM2's
+    (6, 3, 32, 24, 53),     # blocks not a multiple of 8 tokens
+    (8, 2, 128, 32, 45),
+    (9, 3, 64, 16, 1100),   # past the 512-key chunk
+])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_each_row_is_the_decode_kernels_bits(hq, hkv, d, bs, kv, kv_dtype):
+    """A prompt's row at position p equals decode attention's result for one query over p + 1 keys,
+    bit for bit: a resumed (or preempted and recomputed) sequence prefills positions an earlier
+    run decoded one by one, and its KV must come out the same for the continuation to be exact."""
+    from genpool.kernels.cpu.decode_attention import decode_attention
+    q, k, v, tables, _, _, _ = make([(kv, kv)], hq, hkv, d, bs, seed=3, gap=0)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    rows = torch.empty_like(q)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables, [0], [kv], [kv], d ** -0.5, rows)
+    pos = sorted({0, 1, 7, 8, 9, 15, 16, 17, kv // 2, kv - 2, kv - 1} | ({511, 512, 513} if kv > 513 else set()))
+    one = decode_attention(q[pos], k, v, tables.expand(len(pos), -1), torch.tensor(pos) + 1, d ** -0.5)
+    bad = [p for i, p in enumerate(pos) if not torch.equal(one[i], rows[p])]
+    assert not bad, f"positions whose prefill row differs from decode attention: {bad}"
