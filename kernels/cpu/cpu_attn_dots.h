@@ -50,8 +50,8 @@ static inline __m256i live8(int64_t live) {
 
 /* dots_scalar's sums for rows q (and q + D with two = 1) against tokens t .. t + TOK - 1, TOK = 8
  * for one row, 4 for two: hsum8 of one accumulator per (row, token), so lane r * TOK + u holds
- * row r's token t + u. Tokens past n - 1 repeat token n - 1 (their lanes are not stored): a
- * group at the end costs what a full one does, with no branch inside. */
+ * row r's token t + u. Unless whole, tokens past n - 1 repeat token n - 1 (their lanes are not
+ * stored): the group at the end costs what a whole one does, with no branch inside. */
 static inline __attribute__((always_inline)) __m256
 dots_group(const float *q, const float *k, int64_t st, int64_t t, int64_t n, const int64_t D, const int two,
            const int whole) {
