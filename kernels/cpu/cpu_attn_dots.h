@@ -21,12 +21,19 @@ static inline float tree8(const float l[8]) {
 }
 
 /* s[t] = q . k[t * st] for t < n: the lanes' FMA chains (fmaf: no contraction choice left to the
- * compiler), then tree8. For head sizes the vector code does not take, and CPUs without AVX2. */
+ * compiler, one instruction where the CPU has FMA), then tree8. For head sizes the vector code
+ * does not take, and CPUs without AVX2. Whole eights of elements as one 8-lane step each (the
+ * compiler vectorises it), the last D % 8 into lanes 0 .. D % 8 - 1. */
 static inline __attribute__((always_inline)) void
 dots_scalar(const float *q, const float *k, int64_t st, int64_t n, float *s, const int64_t D) {
     for (int64_t t = 0; t < n; t++) {
+        const float *kt = k + t * st;
         float l[8] = {0};
-        for (int64_t i = 0; i < D; i++) l[i % 8] = fmaf(q[i], k[t * st + i], l[i % 8]);
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8)
+#pragma omp simd
+            for (int u = 0; u < 8; u++) l[u] = fmaf(q[i + u], kt[i + u], l[u]);
+        for (int u = 0; i + u < D; u++) l[u] = fmaf(q[i + u], kt[i + u], l[u]);
         s[t] = tree8(l);
     }
 }

@@ -105,7 +105,7 @@ axpys_scalar(const float *p, const float *v, int64_t st, int64_t n, float *acc, 
     for (int64_t i = 0; i < D; i++) a[i] = acc[i];
     for (int64_t t = 0; t < n; t++) {
 #pragma omp simd
-        for (int64_t i = 0; i < D; i++) a[i] += p[t] * v[t * st + i];
+        for (int64_t i = 0; i < D; i++) a[i] = fmaf(p[t], v[t * st + i], a[i]); /* as prefill's tiles */
     }
 #pragma omp simd
     for (int64_t i = 0; i < D; i++) acc[i] = a[i];

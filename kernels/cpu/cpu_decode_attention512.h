@@ -2,10 +2,10 @@
  * AVX-512, else 0): scores and P V for up to 3 query heads of a GQA group per K / V load. */
 #ifndef GENPOOL_CPU_DECODE_ATTENTION512_H
 #define GENPOOL_CPU_DECODE_ATTENTION512_H
-#include <immintrin.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
+#include <immintrin.h> /* here only: the kernels also build for CPUs without it (aarch64) */
 /* AVX-512 for head size 64, the K/V vectors read straight from the cache (bf16 widened in the
  * register as it is loaded: the same fp32 values, so a bf16 cache still gives the bits of the fp32
  * kernel over its widening). Up to 3 query heads of a GQA group share each K and V load. Added on

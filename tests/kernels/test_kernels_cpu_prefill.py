@@ -167,3 +167,19 @@ def test_each_row_is_the_decode_kernels_bits(hq, hkv, d, bs, kv, kv_dtype):
     one = decode_attention(q[pos], k, v, tables.expand(len(pos), -1), torch.tensor(pos) + 1, d ** -0.5)
     bad = [p for i, p in enumerate(pos) if not torch.equal(one[i], rows[p])]
     assert not bad, f"positions whose prefill row differs from decode attention: {bad}"
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 2, 16, 16), (6, 2, 32, 3)])
+def test_chunks_of_several_sequences_are_the_decode_kernels_bits(hq, hkv, d, bs):
+    """The same for chunks after cached positions (q_len < kv_len), several sequences in one call
+    with rows between them, blocks smaller than a group of tokens: every row of every sequence."""
+    from genpool.kernels.cpu.decode_attention import decode_attention
+    seqs = [(17, 40), (30, 30), (5, 70)]
+    q, k, v, tables, starts, qls, kvls = make(seqs, hq, hkv, d, bs, seed=7)
+    rows = torch.empty_like(q)
+    cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, kvls, d ** -0.5, rows)
+    for i, (ql, kv) in enumerate(seqs):
+        pos = torch.arange(kv - ql, kv)
+        one = decode_attention(q[starts[i]:starts[i] + ql], k, v, tables[i:i + 1].expand(ql, -1), pos + 1, d ** -0.5)
+        bad = [int(p) for j, p in enumerate(pos) if not torch.equal(one[j], rows[starts[i] + j])]
+        assert not bad, f"sequence {i}: positions whose prefill row differs from decode attention: {bad}"
