@@ -209,6 +209,12 @@ def pytest_sessionstart(session):
         session.config._genpool_keys_before = None
 
 
+def pytest_runtest_protocol(item, nextitem):
+    peak = getattr(item.config, "_genpool_peak", None)
+    if peak is not None:  # so that the summary can name the test the peak fell in
+        peak.test = item.nodeid
+
+
 def pytest_sessionfinish(session, exitstatus):
     problems = []
     leaked = hygiene.still_running()
@@ -243,7 +249,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         peak.stop()
         terminalreporter.write_line(f"genpool suite: peak RSS {peak.peak / 2**30:.2f} GiB "
                                     f"(pytest and its children, {peak.peak_procs} processes "
-                                    f"at the peak)")
+                                    f"at the peak, in {peak.peak_test or 'collection'})")
     for p in getattr(config, "_genpool_problems", []):
         terminalreporter.write_line(f"genpool suite: FAILED hygiene check: {p}", red=True)
 

@@ -109,6 +109,7 @@ class PeakRSS:
 
     def __init__(self, every_s: float = 0.5):
         self.every_s, self.peak, self.peak_procs = every_s, 0, 0
+        self.test, self.peak_test = "", ""  # the test running now (conftest sets it), and at the peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="peak-rss")
 
@@ -120,7 +121,7 @@ class PeakRSS:
         pids = _children_of(os.getpid())
         total = sum(_rss(p) for p in pids)
         if total > self.peak:
-            self.peak, self.peak_procs = total, len(pids)
+            self.peak, self.peak_procs, self.peak_test = total, len(pids), self.test
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
