@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 import redis
 
 from genpool.schemas import Keys
-from genpool.schemas.keys import FINISHED_STATES, LANES
+from genpool.schemas.keys import FINISHED_STATES, JOB_ID_RE, LANES
 from genpool.schemas.tenants import known_sub_streams, queue_known
 
 SCAN_MAX = 10_000  # entries read per lane stream, and finished jobs collected by one listing
@@ -37,7 +37,8 @@ def _job_id(fields: dict) -> Optional[str]:
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None  # junk: a worker dead-letters it; no job to name
     job_id = obj.get("id") if isinstance(obj, dict) else None
-    return job_id if isinstance(job_id, str) else None
+    # an id the protocol refuses names no job hash either: a worker dead-letters the entry
+    return job_id if isinstance(job_id, str) and JOB_ID_RE.match(job_id) else None
 
 
 def shown_state(h: dict) -> str:

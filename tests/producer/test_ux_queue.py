@@ -114,6 +114,23 @@ def test_status_leaves_cancelled_unread_jobs_out_of_queued(topology_url):
         assert [line.split()[0] for line in ls.stdout.splitlines()[1:]] == [jobs[1].id], ls.stderr
 
 
+def test_status_and_jobs_list_survive_entries_with_refused_ids(env):
+    """A hostile producer's raw XADD whose id the protocol refuses (a ':' could spell another
+    job's keys, a brace move them out of their hash tag) waits in its lane until a worker
+    dead-letters it. Meanwhile status and `jobs list` skip it, as they skip junk; `status`
+    raised ValueError on it (found by the chaos SIGSTOP scenario, which reads status mid-run)."""
+    import json
+
+    url, prefix, c = env
+    ok = c.submit("fine", max_tokens=2)
+    for bad in ("bad-0:events", "x{y}", "", "z" * 129):
+        c.redis.xadd(c.keys.jobs("normal"), {"job": json.dumps({"id": bad, "prompt": "x"})})
+    assert c.status()["lanes"]["normal"] == {"queued": 5, "pending": 0}  # entries, as they are
+    p = genpool("jobs", "list", "--redis", url, "--prefix", prefix)
+    assert p.returncode == 0, p.stderr
+    assert [line.split()[0] for line in p.stdout.splitlines()[1:]] == [ok.id]
+
+
 def test_jobs_list_shows_the_ids_in_the_lanes(env):
     import json
 
