@@ -1,4 +1,4 @@
-/* Attention scores q . k[t], one definition for decode and prefill attention.
+/* Attention scores q . k[t] and a row's softmax, one definition for decode and prefill attention.
  *
  * Why one: a prompt row's attention must be the bits decode attention gives for the same position.
  * A resumed job prefills the tokens the dead worker decoded one by one (so does a preempted and
@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_common.h"              /* exp_shift_sum, live8 */
 #include "cpu_decode_attention512.h" /* FAST64, dots64: AVX-512 at head size 64 */
 
 /* The lane tree of hsum8 below, in scalar code: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
@@ -48,11 +49,6 @@ static inline __m256 hsum8(const __m256 a[8]) {
     const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
     const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67); /* per 128-bit lane */
     return _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20), _mm256_permute2f128_ps(s03, s47, 0x31));
-}
-
-/* Lanes u < live of a mask (live <= lanes). */
-static inline __m256i live8(int64_t live) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 /* dots_scalar's sums for rows q (and q + D with two = 1) against tokens t .. t + TOK - 1, TOK = 8
@@ -92,16 +88,11 @@ dots(const float *q, const float *k, int64_t st, int64_t n, float *s, const int6
     if (t < n) _mm256_maskstore_ps(s + t, live8(n - t), dots_group(q, k, st, t, n, D, 0, 0));
 }
 
-/* dots for two query rows q and q + D at once, four tokens at a time: a K vector loaded once
+/* dots for two query rows q and q + D at once (D % 8 == 0), four tokens at a time: a K vector loaded once
  * serves both rows. Prompt rows share their keys: one row at a time left prefill's scores bound
  * by the loads. */
 static inline __attribute__((always_inline)) void
 dots2(const float *q, const float *k, int64_t st, int64_t n, float *s, int64_t ls, const int64_t D) {
-    if (D % 8) {
-        dots_scalar(q, k, st, n, s, D);
-        dots_scalar(q + D, k, st, n, s + ls, D);
-        return;
-    }
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) { /* plain stores: masked ones are slow on AMD */
         const __m256 h = dots_group(q, k, st, t, n, D, 1, 1);
@@ -117,10 +108,6 @@ dots2(const float *q, const float *k, int64_t st, int64_t n, float *s, int64_t l
 }
 #else
 #define dots dots_scalar
-static inline void dots2(const float *q, const float *k, int64_t st, int64_t n, float *s, int64_t ls, int64_t D) {
-    dots_scalar(q, k, st, n, s, D);
-    dots_scalar(q + D, k, st, n, s + ls, D);
-}
 #endif
 
 /* s[r * ls + t] = q[r * D : +D] . k[t * st] (fp32 rows) for r < rows, t < n, in the order decode
@@ -130,8 +117,20 @@ attn_dots(const float *q, int64_t rows, const float *k, int64_t st, int64_t n, f
     int64_t r = 0;
     if (FAST64 && D == 64)
         for (; r < rows; r += 3) CASES64(dots64, rows - r < 3 ? rows - r : 3, 0, q + r * D, k, 0, st, n, s + r * ls, ls)
-    for (; r + 2 <= rows; r += 2) /* D a constant for the usual sizes: the loop over it unrolled */
-        D == 64 ? dots2(q + r * D, k, st, n, s + r * ls, ls, 64) : dots2(q + r * D, k, st, n, s + r * ls, ls, D);
-    if (r < rows) dots(q + r * D, k, st, n, s + r * ls, D);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0)
+        for (; r + 2 <= rows; r += 2) /* D a constant for the usual sizes: the loop over it unrolled */
+            D == 64 ? dots2(q + r * D, k, st, n, s + r * ls, ls, 64) : dots2(q + r * D, k, st, n, s + r * ls, ls, D);
+#endif
+    for (; r < rows; r++) dots(q + r * D, k, st, n, s + r * ls, D);
+}
+
+/* A row's softmax over its n scores, as both kernels run it: the max, then exp(s - max) in place
+ * (unnormalised) and their sum (exp_shift_sum's fixed order), returned. */
+static inline float softmax_row(float *s, int64_t n) {
+    float mx = s[0];
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    return exp_shift_sum(s, n, mx);
 }
 #endif

@@ -133,6 +133,11 @@ static inline void tile_row_out(const float *t, float *y, const float *bias, int
         return W##_add_ps(W##_fmadd_ps(W##_mul_ps(p, r), r, r), W##_set1_ps(1.f));         \
     }
 
+/* Lanes u < live of a mask (live <= 8): the ragged ends of 8-lane loops. */
+static inline __m256i live8(int64_t live) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 DEFINE_EXP_REDUCED(exp_reduced256, __m256, _mm256)
 /* The same exp on eight lanes, 2^k built as exponent bits (k lies in [-126, 127] after the clamp). */
 static inline __m256 exp256_ps(__m256 x) {
@@ -182,7 +187,7 @@ static inline float exp_shift_sum(float *s, int64_t n, float mx) {
         acc = _mm256_add_ps(acc, e);
     }
     if (t < n) {
-        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i live = live8(n - t);
         const __m256 e = _mm256_and_ps(exp256_ps(_mm256_sub_ps(_mm256_maskload_ps(s + t, live), m)), _mm256_castsi256_ps(live));
         _mm256_maskstore_ps(s + t, live, e);
         acc = _mm256_add_ps(acc, e);

@@ -271,12 +271,7 @@ static int attend(const job_t *j, int64_t row, int64_t next_row, float *qf, floa
     int rc = row_scores(j, row, len, qf, s, tmp, next_row);
     if (rc) return rc;
     float sum[j->hq];
-    for (int64_t g = 0; g < j->hq; g++) {
-        float *sg = s + g * len, m = sg[0];
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        sum[g] = exp_shift_sum(sg, len, m);
-    }
+    for (int64_t g = 0; g < j->hq; g++) sum[g] = softmax_row(s + g * len, len);
     row_values(j, row, len, s, acc, tmp, next_row);
     for (int64_t g = 0; g < j->hq; g++) {
         const float inv = 1.f / sum[g];

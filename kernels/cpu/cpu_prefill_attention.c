@@ -115,16 +115,14 @@ static void scores(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, i
         }
 }
 
-/* Each row's softmax over all its keys at once, as decode attention's: S becomes P (exp(s - max),
- * unnormalised; entries up to last_pos past the row's keys exactly 0), l its sum. */
+/* Each row's softmax over all its keys at once (softmax_row, as decode attention's): S becomes P
+ * (exp(s - max), unnormalised; entries up to last_pos past the row's keys exactly 0), l its sum. */
 static void softmax_rows(const job_t *j, scratch_t *w, int64_t R, int64_t first_pos, int64_t last_pos) {
     const int64_t G = j->hq / j->hkv;
     for (int64_t r = 0; r < R; r++) {
-        float *s = w->s + r * j->ls, mx = s[0];
+        float *s = w->s + r * j->ls;
         const int64_t vis = first_pos + r / G + 1;
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 1; t < vis; t++) mx = s[t] > mx ? s[t] : mx;
-        w->l[r] = exp_shift_sum(s, vis, mx);
+        w->l[r] = softmax_row(s, vis);
         for (int64_t t = vis; t <= last_pos; t++) s[t] = 0.f;
     }
 }

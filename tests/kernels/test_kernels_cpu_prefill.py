@@ -158,28 +158,32 @@ def test_each_row_is_the_decode_kernels_bits(hq, hkv, d, bs, kv, kv_dtype):
     """A prompt's row at position p equals decode attention's result for one query over p + 1 keys,
     bit for bit: a resumed (or preempted and recomputed) sequence prefills positions an earlier
     run decoded one by one, and its KV must come out the same for the continuation to be exact."""
-    from genpool.kernels.cpu.decode_attention import decode_attention
     q, k, v, tables, _, _, _ = make([(kv, kv)], hq, hkv, d, bs, seed=3, gap=0)
     k, v = k.to(kv_dtype), v.to(kv_dtype)
     rows = torch.empty_like(q)
     cpu_prefill_attention.prefill_rows(q, k, v, tables, [0], [kv], [kv], d ** -0.5, rows)
     pos = sorted({0, 1, 7, 8, 9, 15, 16, 17, kv // 2, kv - 2, kv - 1} | ({511, 512, 513} if kv > 513 else set()))
-    one = decode_attention(q[pos], k, v, tables.expand(len(pos), -1), torch.tensor(pos) + 1, d ** -0.5)
-    bad = [p for i, p in enumerate(pos) if not torch.equal(one[i], rows[p])]
+    bad = _differing_from_decode(q, k, v, tables[0], rows, 0, 0, pos, d)
     assert not bad, f"positions whose prefill row differs from decode attention: {bad}"
+
+
+def _differing_from_decode(q, k, v, table, rows, start, first_pos, positions, d) -> list[int]:
+    """The positions whose prefill row (rows[start + p - first_pos]) is not decode attention's
+    result for one query over p + 1 keys, bit for bit."""
+    from genpool.kernels.cpu.decode_attention import decode_attention
+    idx = [start + p - first_pos for p in positions]
+    one = decode_attention(q[idx], k, v, table.expand(len(idx), -1), torch.tensor(positions) + 1, d ** -0.5)
+    return [p for i, p in enumerate(positions) if not torch.equal(one[i], rows[idx[i]])]
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 2, 16, 16), (6, 2, 32, 3)])
 def test_chunks_of_several_sequences_are_the_decode_kernels_bits(hq, hkv, d, bs):
     """The same for chunks after cached positions (q_len < kv_len), several sequences in one call
     with rows between them, blocks smaller than a group of tokens: every row of every sequence."""
-    from genpool.kernels.cpu.decode_attention import decode_attention
     seqs = [(17, 40), (30, 30), (5, 70)]
     q, k, v, tables, starts, qls, kvls = make(seqs, hq, hkv, d, bs, seed=7)
     rows = torch.empty_like(q)
     cpu_prefill_attention.prefill_rows(q, k, v, tables, starts, qls, kvls, d ** -0.5, rows)
     for i, (ql, kv) in enumerate(seqs):
-        pos = torch.arange(kv - ql, kv)
-        one = decode_attention(q[starts[i]:starts[i] + ql], k, v, tables[i:i + 1].expand(ql, -1), pos + 1, d ** -0.5)
-        bad = [int(p) for j, p in enumerate(pos) if not torch.equal(one[j], rows[starts[i] + j])]
+        bad = _differing_from_decode(q, k, v, tables[i], rows, starts[i], kv - ql, list(range(kv - ql, kv)), d)
         assert not bad, f"sequence {i}: positions whose prefill row differs from decode attention: {bad}"
