@@ -18,7 +18,12 @@
  * Work item: (sequence, kv head, qb consecutive query positions). Its R = qb * G rows (the G query
  * heads sharing the kv head; row r = position r / G, head r % G) are copied once (pre-scaled Q);
  * the sequence's K and V are packed once per (sequence, kv head), read from the cache in place,
- * and kept across that pair's items (a thread's items are consecutive). Scores S = Q K^T over
+ * and kept across that pair's items. Threads claim items one at a time from a shared counter, a
+ * pair's items from its last query block down: the first item a thread takes of a pair packs
+ * every key the later ones need, and the cheapest items (fewest keys) come last, so the threads
+ * finish together. Against the static split by estimated work it replaced (which packed a
+ * pair's keys again where a thread's range began, and whose estimate left out per-item costs):
+ * 4.6-5.6% less time over five SmolLM2-shaped chunks, 2 threads, Zen 4. Scores S = Q K^T over
  * each row's keys, a chunk of keys at a time; each row's softmax; O += P V a chunk at a time.
  * Each output row depends on its own position only, so results do not depend on the batch, the
  * chunking of the prompt or the threads.
@@ -51,6 +56,7 @@ typedef struct {
     int64_t ls;             /* S's row stride: lmax + a cache line, so that rows 4 KB apart do not share L1 sets */
     float scale;
     int kv_dtype;
+    int64_t *next; /* the next unclaimed item, shared by the threads (atomic) */
 } job_t;
 
 /* Element i of a cache row at element offset off: fp32, or bf16 widened (exact). */
@@ -169,11 +175,16 @@ static int item(const job_t *j, int64_t sq, int64_t h, int64_t q0, scratch_t *w)
     return 0;
 }
 
-/* Items [lo, hi) in (sequence, kv head, query block) order. Scratch per thread: the packed K and
- * V of the batch's longest sequence, (D + dpad) x lmax floats (2 x 4 MB at 16K tokens, D 64), the
- * rows' scores over it, R x lmax (3 MB there), plus ~40 KB of rows. */
+/* Claims items until none is left; lo and hi are unused (the threads share j->next). Item it of
+ * sequence sq is kv head local / nqb, query block nqb - 1 - local % nqb (a pair's last block
+ * first). Scratch per thread: the packed K and V of the batch's longest sequence, (D + dpad) x
+ * lmax floats (2 x 4 MB at 16K tokens, D 64), the rows' scores over it, R x lmax (3 MB there),
+ * plus ~40 KB of rows. */
 static int items(const void *arg, int64_t lo, int64_t hi) {
+    (void)lo, (void)hi;
     const job_t *j = (const job_t *)arg;
+    const int64_t last = j->item_start[j->nseq];
+    if (__atomic_load_n(j->next, __ATOMIC_RELAXED) >= last) return 0; /* another thread took them all */
     const int64_t R = round_up(j->qb * (j->hq / j->hkv), TILE_ROWS), D = j->d, dp = j->dpad, L = j->lmax;
     const int64_t sizes[6] = {R * D, R * j->ls, R * dp, R, L * D, dp * L};
     int64_t total = 0;
@@ -184,28 +195,14 @@ static int items(const void *arg, int64_t lo, int64_t hi) {
     for (int64_t i = 0, off = 0; i < 6; off += sizes[i], i++) part[i] = buf + off;
     scratch_t w = {part[0], part[1], part[2], part[3], part[4], part[5], -1, -1, 0};
     int status = 0;
-    int64_t sq = 0;
-    for (int64_t it = lo; it < hi && status == 0; it++) {
-        while (j->item_start[sq + 1] <= it) sq++;
+    int64_t sq = 0, it;
+    while (status == 0 && (it = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED)) < last) {
+        while (j->item_start[sq + 1] <= it) sq++; /* a thread's claims only grow */
         const int64_t local = it - j->item_start[sq], nqb = (j->q_len[sq] + j->qb - 1) / j->qb;
-        status = item(j, sq, local / nqb, (local % nqb) * j->qb, &w);
+        status = item(j, sq, local / nqb, (nqb - 1 - local % nqb) * j->qb, &w);
     }
     free(buf);
     return status;
-}
-
-/* Item boundaries for n threads with ~equal work (query positions x keys seen). */
-static void split_items(const job_t *j, const int64_t *start, double total, int n, int64_t *bounds) {
-    double acc = 0;
-    int b = 1;
-    bounds[0] = 0;
-    for (int64_t s = 0; s < j->nseq && b < n; s++)
-        for (int64_t it = start[s]; it < start[s + 1] && b < n; it++) {
-            const int64_t ql = j->q_len[s], q0 = ((it - start[s]) % ((ql + j->qb - 1) / j->qb)) * j->qb;
-            acc += (double)j->qb * (j->kv_len[s] - ql + q0 + j->qb / 2);
-            if (acc >= total * b / n) bounds[b++] = it + 1;
-        }
-    for (; b <= n; b++) bounds[b] = start[j->nseq];
 }
 
 int paged_prefill_attention(const float *q, const void *k, const void *v, float *out, const int32_t *tables,
@@ -229,12 +226,13 @@ int paged_prefill_attention(const float *q, const void *k, const void *v, float 
         if (kv_len[s] > max_kv) max_kv = kv_len[s];
         total += (double)q_len[s] * (kv_len[s] - q_len[s] / 2.0) * hkv;
     }
+    int64_t next = 0;
     job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs, num_blocks,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
-               qb, round_up(d, GC), round_up(max_kv, GC), round_up(max_kv, GC) + 16, scale, kv_dtype};
+               qb, round_up(d, GC), round_up(max_kv, GC), round_up(max_kv, GC) + 16, scale, kv_dtype, &next};
     const int n = total < 1e5 ? 1 : thread_count(nthreads, start[nseq]);
-    int64_t bounds[MAX_THREADS + 1];
-    split_items(&j, start, total, n, bounds);
+    int64_t bounds[MAX_THREADS + 1]; /* one range a thread; each claims items until none is left */
+    for (int i = 0; i <= n; i++) bounds[i] = i;
     const int rc = run_ranges(items, &j, bounds, n);
     free(start);
     return rc;
