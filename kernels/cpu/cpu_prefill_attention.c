@@ -17,8 +17,8 @@
  *
  * Work item: (sequence, kv head, qb consecutive query positions). Its R = qb * G rows (the G query
  * heads sharing the kv head; row r = position r / G, head r % G) are copied once (pre-scaled Q);
- * the sequence's K and V are packed once per (sequence, kv head), read from the cache in place,
- * and kept across that pair's items. Threads claim items one at a time from a shared counter, a
+ * the sequence's K and V are packed once per (sequence, kv head) and thread, read from the cache
+ * in place, and kept across that pair's items. Threads claim items one at a time from a shared counter, a
  * pair's items from its last query block down: the first item a thread takes of a pair packs
  * every key the later ones need, and the cheapest items (fewest keys) come last, so the threads
  * finish together. Against the static split by estimated work it replaced (which packed a
@@ -184,7 +184,7 @@ static int items(const void *arg, int64_t lo, int64_t hi) {
     (void)lo, (void)hi;
     const job_t *j = (const job_t *)arg;
     const int64_t last = j->item_start[j->nseq];
-    if (__atomic_load_n(j->next, __ATOMIC_RELAXED) >= last) return 0; /* another thread took them all */
+    if (__atomic_load_n(j->next, __ATOMIC_RELAXED) >= last) return 0; /* all claimed (by any range) */
     const int64_t R = round_up(j->qb * (j->hq / j->hkv), TILE_ROWS), D = j->d, dp = j->dpad, L = j->lmax;
     const int64_t sizes[6] = {R * D, R * j->ls, R * dp, R, L * D, dp * L};
     int64_t total = 0;
@@ -201,6 +201,7 @@ static int items(const void *arg, int64_t lo, int64_t hi) {
         const int64_t local = it - j->item_start[sq], nqb = (j->q_len[sq] + j->qb - 1) / j->qb;
         status = item(j, sq, local / nqb, (nqb - 1 - local % nqb) * j->qb, &w);
     }
+    if (status) __atomic_store_n(j->next, last, __ATOMIC_RELAXED); /* the call fails: the others stop */
     free(buf);
     return status;
 }
@@ -215,7 +216,7 @@ int paged_prefill_attention(const float *q, const void *k, const void *v, float 
     if (!start) return -1;
     const int64_t G = hq / hkv, qb = G >= ROWS ? 1 : ROWS / G;
     start[0] = 0;
-    double total = 0; /* work ~ query positions x visible keys */
+    double total = 0; /* work ~ query positions x visible keys: one thread below 1e5 */
     int64_t max_kv = 1;
     for (int64_t s = 0; s < nseq; s++) {
         if (q_len[s] < 1 || kv_len[s] < q_len[s] || kv_len[s] > width * bs) {
@@ -226,10 +227,11 @@ int paged_prefill_attention(const float *q, const void *k, const void *v, float 
         if (kv_len[s] > max_kv) max_kv = kv_len[s];
         total += (double)q_len[s] * (kv_len[s] - q_len[s] / 2.0) * hkv;
     }
-    int64_t next = 0;
-    job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs, num_blocks,
-               k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
-               qb, round_up(d, GC), round_up(max_kv, GC), round_up(max_kv, GC) + 16, scale, kv_dtype, &next};
+    _Alignas(64) int64_t next = 0; /* a line apart from j: each claim writes it, the threads read j */
+    _Alignas(64) job_t j = {q, k, v, out, tables, q_start, q_len, kv_len, start, width, nseq, hq, hkv, d, bs,
+                            num_blocks, k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1],
+                            v_strides[2], qb, round_up(d, GC), round_up(max_kv, GC), round_up(max_kv, GC) + 16,
+                            scale, kv_dtype, &next};
     const int n = total < 1e5 ? 1 : thread_count(nthreads, start[nseq]);
     int64_t bounds[MAX_THREADS + 1]; /* one range a thread; each claims items until none is left */
     for (int i = 0; i <= n; i++) bounds[i] = i;
