@@ -23,6 +23,10 @@ import resource  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+from genpool.schemas.settings import bound_openmp_spinning  # noqa: E402
+
+bound_openmp_spinning()  # as the genpool worker runs (before torch loads); a policy in the env wins
+
 import torch  # noqa: E402
 
 MODES = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
@@ -207,7 +211,8 @@ def run_mode(mode: str, model: str, num_requests: int, seed: int, max_num_seqs: 
     texts = [t for t in (tok(p)["input_ids"][:SCORE_TOKENS] for p in pairs) if len(t) == SCORE_TOKENS][:8]
     from genpool.kernels.cpu import qgemm as cpu_qgemm
     quantized = "quantization" in MODES[mode]
-    res = dict(mode=mode, cpu_features=cpu_features(), rss_before_model=rss_bytes())
+    res = dict(mode=mode, cpu_features=cpu_features(), rss_before_model=rss_bytes(),
+               omp_wait=os.environ.get("OMP_WAIT_POLICY") or f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     t0 = time.perf_counter()
     llm = LLM(str(path), num_kv_blocks=KV_BLOCKS, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
               **MODES[mode])

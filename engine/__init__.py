@@ -1,6 +1,13 @@
-"""genpool's resident continuous-batching engine (vLLM-style API)."""
-from genpool.engine.outputs import CompletionOutput, RequestOutput
-from genpool.engine.sampling_params import SamplingParams
+"""genpool's resident continuous-batching engine (vLLM-style API).
+
+Importing it before torch bounds libgomp's spin for the process, as the genpool command does
+(schemas/settings.py bound_openmp_spinning; an environment that names a policy keeps it)."""
+from genpool.schemas.settings import bound_openmp_spinning
+
+bound_openmp_spinning()  # before LLM imports torch: libgomp reads it once, when torch loads it
+
+from genpool.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from genpool.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def __getattr__(name):

@@ -6,6 +6,8 @@ token's K/V lives (slot = block_id * block_size + offset).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from genpool.engine.attention_metadata import AttentionMetadata, SampledRows
@@ -16,6 +18,9 @@ from genpool.engine.models.loader import load_model
 from genpool.engine.startup import StartLog, mib
 from genpool.engine.step_rows import row_layout
 from genpool.kernels import get_backend
+from genpool.schemas.settings import openmp_spin_unbounded
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -27,6 +32,10 @@ class ModelRunner:
         apply_kernel_settings(config)  # before any kernel runs: the config's values, not the env's
         if self.device.type == "cpu":
             tune_malloc(config.malloc_tune)
+            if openmp_spin_unbounded():
+                log.warning("torch was imported before genpool.engine with no OpenMP wait policy set: its threads "
+                            "spin ~300,000 times after each op and take cores from the kernels (decode steps "
+                            "~10%% slower measured); import genpool.engine first or set GOMP_SPINCOUNT=1000")
         self.dtype = config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype  # the model's, or bf16 under fp32 (halves the K/V bytes)
         self.block_size = config.block_size

@@ -212,12 +212,33 @@ def _spin_env_after_start(env: dict, code: str) -> str:
 
 
 @pytest.mark.parametrize("entry", ["from genpool.workers.cli.main import main; main([])",
-                                   "import genpool.workers.integrations.celery_app"])
+                                   "import genpool.workers.integrations.celery_app",
+                                   "from genpool.engine import LLM"])
 def test_the_worker_entry_points_bound_openmp_spinning_before_torch_loads(entry):
-    """The genpool command and the Celery app set libgomp's spin (read once, when torch loads it)
-    to the bounded value unless the environment names a policy itself; set after torch, nothing."""
+    """The genpool command, the Celery app and the engine's package set libgomp's spin (read once,
+    when torch loads it) to the bounded value unless the environment names a policy itself; set
+    after torch, nothing."""
     assert _spin_env_after_start({}, entry) == settings.OPENMP_SPINCOUNT
     assert _spin_env_after_start({"GOMP_SPINCOUNT": "7"}, entry) == "7"
     assert _spin_env_after_start({"OMP_WAIT_POLICY": "PASSIVE"}, entry) == "-"
     assert _spin_env_after_start({}, "import torch\nfrom genpool.schemas.settings import bound_openmp_spinning\n"
                                      "assert not bound_openmp_spinning()") == "-"
+
+
+@pytest.mark.parametrize("env, warned", [({}, True), ({"GOMP_SPINCOUNT": "1000"}, False),
+                                         ({"OMP_WAIT_POLICY": "PASSIVE"}, False)])
+def test_a_cpu_engine_warns_when_torchs_openmp_spins_unbounded(tiny_llama_path, monkeypatch, caplog, env, warned):
+    """torch loaded with no wait policy (libgomp's ~300,000 spins after each op, which take cores
+    from the kernels' pool): a CPU engine says so at start, with the fix; with a policy set, nothing."""
+    import logging
+
+    from genpool.engine.config import EngineConfig
+    from genpool.engine.model_runner import ModelRunner
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, val in env.items():
+        monkeypatch.setenv(name, val)
+    with caplog.at_level(logging.WARNING, logger="genpool.engine.model_runner"):
+        ModelRunner(EngineConfig(model=str(tiny_llama_path), num_kv_blocks=8), tiny_llama_path, 64)
+    hits = [r.getMessage() for r in caplog.records if "GOMP_SPINCOUNT" in r.getMessage()]
+    assert bool(hits) == warned, hits
