@@ -198,10 +198,14 @@ def bound_openmp_spinning() -> bool:
     takes effect before torch is imported: the genpool command, the Celery app and `genpool.engine`
     (the library's LLM) call it first (it lives here, in a module without torch, for that reason).
     Returns whether it took effect."""
-    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    if "torch" in sys.modules or _openmp_wait_policy_named():
         return False
     os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
     return True
+
+
+def _openmp_wait_policy_named() -> bool:
+    return "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 
 
 def openmp_spin_unbounded() -> bool:
@@ -210,4 +214,4 @@ def openmp_spin_unbounded() -> bool:
     each torch op takes cores from the C kernels' pool: on a 2-core Zen 4 an int8 SmolLM2 decode
     step of 48 rows took 38.6-39.7 ms against 34.7-35.4 with 1,000 spins, and the 48-request mix
     6-13% longer (docs/results.md)."""
-    return "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    return "torch" in sys.modules and not _openmp_wait_policy_named()

@@ -18,12 +18,12 @@
  * Work item: (sequence, kv head, qb consecutive query positions). Its R = qb * G rows (the G query
  * heads sharing the kv head; row r = position r / G, head r % G) are copied once (pre-scaled Q);
  * the sequence's K and V are packed once per (sequence, kv head) and thread, read from the cache
- * in place, and kept across that pair's items. Threads claim items one at a time from a shared counter, a
- * pair's items from its last query block down: the first item a thread takes of a pair packs
- * every key the later ones need, and the cheapest items (fewest keys) come last, so the threads
- * finish together. Against the static split by estimated work it replaced (which packed a
- * pair's keys again where a thread's range began, and whose estimate left out per-item costs):
- * 4.6-5.6% less time over five SmolLM2-shaped chunks, 2 threads, Zen 4. Scores S = Q K^T over
+ * in place, and kept across that pair's items. Threads claim items one at a time from a shared
+ * counter, a pair's items from its last query block down: the first item a thread takes of a
+ * pair packs every key the later ones need, and the cheapest items (fewest keys) come last, so
+ * the threads finish together. A static split by estimated work took 4.6-5.6% longer on
+ * SmolLM2-shaped chunks (2 threads, Zen 4): it packed a pair's keys again where a thread's range
+ * began, and its estimate left out per-item costs. Scores S = Q K^T over
  * each row's keys, a chunk of keys at a time; each row's softmax; O += P V a chunk at a time.
  * Each output row depends on its own position only, so results do not depend on the batch, the
  * chunking of the prompt or the threads.
