@@ -35,7 +35,7 @@ class ModelRunner:
             if openmp_spin_unbounded():
                 log.warning("torch was imported before genpool.engine with no OpenMP wait policy set: its threads "
                             "spin ~300,000 times after each op and take cores from the kernels (decode steps "
-                            "~10%% slower measured); import genpool.engine first or set GOMP_SPINCOUNT=1000")
+                            "~10% slower measured); import genpool.engine first or set GOMP_SPINCOUNT=1000")
         self.dtype = config.torch_dtype
         self.kv_dtype = config.kv_torch_dtype  # the model's, or bf16 under fp32 (halves the K/V bytes)
         self.block_size = config.block_size
