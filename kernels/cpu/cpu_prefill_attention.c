@@ -59,11 +59,6 @@ typedef struct {
     int64_t *next; /* the next unclaimed item, shared by the threads (atomic) */
 } job_t;
 
-/* Element i of a cache row at element offset off: fp32, or bf16 widened (exact). */
-static inline float kv_at(const job_t *j, const void *base, int64_t off) {
-    return j->kv_dtype ? bf16_f32(((const uint16_t *)base)[off]) : ((const float *)base)[off];
-}
-
 typedef struct {
     float *qr, *s, *o, *l; /* rows padded to whole tiles: Q [R][D], S then P [R][ls], O [R][dpad]; sums [R] */
     float *kp, *vp;        /* K rows [lmax][D]; V panels [dpad / PC][lmax][PC] */
@@ -74,25 +69,42 @@ static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to
 static inline int64_t tile_height(int64_t R, int64_t i) { return R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* n elements of a cache row into dst: fp32 copied, bf16 widened (exact); no row (src NULL): zeros.
+ * Locals and restrict so that the loops vectorise: with dst possibly aliasing the job, the compiler
+ * reloaded its fields per element, and these copies took ~15% of the kernel's time. */
+static inline void widen_row(float *restrict dst, const void *src, int64_t off, int64_t n, int bf16) {
+    if (!src) {
+        memset(dst, 0, sizeof(float) * n);
+    } else if (bf16) {
+        const uint16_t *restrict h = (const uint16_t *)src + off;
+#pragma omp simd
+        for (int64_t c = 0; c < n; c++) dst[c] = bf16_f32(h[c]);
+    } else {
+        memcpy(dst, (const float *)src + off, sizeof(float) * n);
+    }
+}
+
 /* Keys [w->done, upto) of (sq, h) into the K rows and V panels; keys past kv_len as zeros. */
 static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t upto) {
-    const int64_t D = j->d, PC = PANEL_COLS, kl = j->kv_len[sq];
+    const int64_t D = j->d, PC = PANEL_COLS, kl = j->kv_len[sq], dpad = j->dpad, lmax = j->lmax;
+    const int bf = j->kv_dtype;
     const int32_t *tab = j->tables + sq * j->width;
     if (w->seq != sq || w->h != h) w->seq = sq, w->h = h, w->done = 0;
     for (int64_t t = w->done; t < upto; t++) {
         float *kp = w->kp + t * D, *vp = w->vp + t * PC;
-        int64_t kr = -1, vr = -1; /* element offsets of the key's K and V rows, or none */
+        int64_t kr = 0, vr = 0; /* element offsets of the key's K and V rows (t < kl) */
         if (t < kl) {
             const int64_t blk = tab[t / j->bs], off = t % j->bs;
             if (blk < 0 || blk >= j->num_blocks) return -2;
             kr = blk * j->k_sb + off * j->k_ss + h * j->k_sh;
             vr = blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         }
-#pragma omp simd
-        for (int64_t c = 0; c < D; c++) kp[c] = kr >= 0 ? kv_at(j, j->k, kr + c) : 0.f;
-        for (int64_t c0 = 0; c0 < j->dpad; c0 += PC, vp += j->lmax * PC) /* one panel's PC columns */
-#pragma omp simd
-            for (int64_t c = 0; c < PC; c++) vp[c] = vr >= 0 && c0 + c < D ? kv_at(j, j->v, vr + c0 + c) : 0.f;
+        widen_row(kp, t < kl ? j->k : 0, kr, D, bf);
+        for (int64_t c0 = 0; c0 < dpad; c0 += PC, vp += lmax * PC) { /* one panel's PC columns */
+            const int64_t n = c0 + PC <= D ? PC : (D > c0 ? D - c0 : 0);
+            widen_row(vp, t < kl ? j->v : 0, vr + c0, n, bf);
+            if (n < PC) memset(vp + n, 0, sizeof(float) * (PC - n));
+        }
     }
     if (upto > w->done) w->done = upto;
     return 0;
@@ -101,11 +113,16 @@ static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
 /* The item's rows of Q, scaled; rows past R (up to a whole tile) zero. */
 static void copy_q(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t q0, int64_t R) {
     const int64_t G = j->hq / j->hkv, D = j->d;
+    const float scale = j->scale;
     for (int64_t r = 0; r < round_up(R, TILE_ROWS); r++) {
-        float *dst = w->qr + r * D;
-        const float *src = r < R ? j->q + ((j->q_start[sq] + q0 + r / G) * j->hq + h * G + r % G) * D : 0;
+        float *restrict dst = w->qr + r * D;
+        if (r >= R) {
+            memset(dst, 0, sizeof(float) * D);
+            continue;
+        }
+        const float *restrict src = j->q + ((j->q_start[sq] + q0 + r / G) * j->hq + h * G + r % G) * D;
 #pragma omp simd
-        for (int64_t c = 0; c < D; c++) dst[c] = src ? src[c] * j->scale : 0.f;
+        for (int64_t c = 0; c < D; c++) dst[c] = src[c] * scale;
     }
 }
 
@@ -167,10 +184,13 @@ static int item(const job_t *j, int64_t sq, int64_t h, int64_t q0, scratch_t *w)
     softmax_rows(j, w, R, first_pos, last_pos);
     memset(w->o, 0, sizeof(float) * round_up(R, TILE_ROWS) * j->dpad);
     for (int64_t c0 = 0; c0 <= last_pos; c0 += KCH) values(j, w, R, first_pos, c0, min64(last_pos + 1 - c0, KCH));
-    for (int64_t r = 0; r < R; r++) {
-        float *dst = j->out + ((j->q_start[sq] + q0 + r / G) * j->hq + h * G + r % G) * D;
+    const int64_t dp = j->dpad;
+    for (int64_t r = 0; r < R; r++) { /* locals and restrict, as widen_row's */
+        float *restrict dst = j->out + ((j->q_start[sq] + q0 + r / G) * j->hq + h * G + r % G) * D;
+        const float *restrict o = w->o + r * dp;
         const float inv = 1.f / w->l[r];
-        for (int64_t c = 0; c < D; c++) dst[c] = w->o[r * j->dpad + c] * inv;
+#pragma omp simd
+        for (int64_t c = 0; c < D; c++) dst[c] = o[c] * inv;
     }
     return 0;
 }
