@@ -99,11 +99,12 @@ static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
             kr = blk * j->k_sb + off * j->k_ss + h * j->k_sh;
             vr = blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         }
-        widen_row(kp, t < kl ? j->k : 0, kr, D, bf);
+        const void *ks = t < kl ? j->k : 0, *vs = t < kl ? j->v : 0;
+        widen_row(kp, ks, kr, D, bf);
         for (int64_t c0 = 0; c0 < dpad; c0 += PC, vp += lmax * PC) { /* one panel's PC columns */
-            const int64_t n = c0 + PC <= D ? PC : (D > c0 ? D - c0 : 0);
-            widen_row(vp, t < kl ? j->v : 0, vr + c0, n, bf);
-            if (n < PC) memset(vp + n, 0, sizeof(float) * (PC - n));
+            const int64_t n = min64(PC, D > c0 ? D - c0 : 0);
+            widen_row(vp, vs, vr + c0, n, bf);
+            memset(vp + n, 0, sizeof(float) * (PC - n)); /* the panel's columns past D */
         }
     }
     if (upto > w->done) w->done = upto;
