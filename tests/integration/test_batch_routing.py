@@ -34,8 +34,10 @@ def pool(redis_url, tmp_path, tiny_llama_path):
     llms = [LLM(str(tiny_llama_path), max_num_seqs=8, num_threads=1) for _ in range(3)]
     workers, threads = [], []
     for i, llm in enumerate(llms):
+        # indexes published every 0.1 s: a document's other lines go out as soon as its first
+        # is answered (4 tokens), and an index that did not show it yet sends them elsewhere
         cfg = WorkerConfig(name=f"w{i}", served_models=frozenset({"tiny"}), prefix_routing=True,
-                           heartbeat_s=0.5, prefix_index_s=0.25)
+                           heartbeat_s=0.5, prefix_index_s=0.1)
         w = Worker(llm.llm_engine, connect(redis_url, socket_timeout=30), Keys(prefix), cfg)
         threads.append(threading.Thread(target=w.run, daemon=True))
         threads[-1].start()

@@ -5,6 +5,7 @@ import time
 from types import SimpleNamespace
 
 from genpool.schemas import ErrorEvent, JobRequest, ResultEvent, Usage
+from genpool.workers.integrations import flower_events
 from genpool.workers.integrations.flower_events import CELERY_MARK, FlowerEvents, celery_hostname
 from genpool.workers.job import Claim, Entry, Job
 from genpool.workers.observe import Observers, WorkerObserver
@@ -102,13 +103,23 @@ def test_a_celery_job_the_worker_rejects_is_left_to_celery():
     assert [(t, f["uuid"]) for t, f in rec.sent] == [("task-received", "s2"), ("task-failed", "s2")]
 
 
-def test_heartbeats_follow_freq_and_only_when_asked():
-    ev, rec = make(freq=0.05)
+def test_heartbeats_follow_freq_and_only_when_asked(monkeypatch):
+    # the module's clock is the test's: on real time, "too early" was the 50 ms between two
+    # statements, which a busy CI machine did not always keep
+    clock = SimpleNamespace(now=1000.0, time=time.time)
+    clock.monotonic = lambda: clock.now
+    monkeypatch.setattr(flower_events, "time", clock)
+    ev, rec = make(freq=2.0)
     ev.worker_started(WORKER)
+    clock.now += 1.9
     ev.tick(WORKER)  # too early
-    time.sleep(0.06)
+    clock.now += 0.1
     ev.tick(WORKER)
+    ev.tick(WORKER)  # the next one is due 2 s after this beat
     assert [t for t, _ in rec.sent] == ["worker-online", "worker-heartbeat"]
+    clock.now += 2.0
+    ev.tick(WORKER)
+    assert [t for t, _ in rec.sent] == ["worker-online", "worker-heartbeat", "worker-heartbeat"]
     quiet, rec2 = make(heartbeats=False)  # inside a Celery worker, which beats itself
     quiet.worker_started(WORKER)
     quiet.tick(WORKER)

@@ -149,12 +149,23 @@ def test_a_revoked_key_is_refused_within_five_seconds_on_a_running_gateway(gatew
     base, ks, _, _ = gateway
     secret, key = ks.create("acme", [], -1)
     assert post(base, secret).status_code == 200  # now cached by the gateway
-    ks.revoke(key.id)
-    t0 = time.monotonic()
-    while post(base, secret).status_code != 401:
-        assert time.monotonic() - t0 < 5, "a revoked key was still accepted after 5 s"
-        time.sleep(0.1)
-    assert time.monotonic() - t0 <= KEY_CACHE_S + 1
+    # The probes share one warmed client and ask GET /v1/models (the same key check, no job):
+    # a new client per probe (its TLS context) and the job an accepted one ran added up to
+    # ~0.3 s a probe under load to what was measured. The bound is on when the first refused
+    # probe was sent.
+    with httpx.Client(base_url=base, timeout=30,
+                      headers={"Authorization": f"Bearer {secret}"}) as probe:
+        assert probe.get("/v1/models").status_code == 200
+        ks.revoke(key.id)
+        t0 = time.monotonic()
+        while True:
+            sent = time.monotonic()
+            if probe.get("/v1/models").status_code == 401:
+                break
+            assert sent - t0 < 5, "a revoked key was still accepted after 5 s"
+            time.sleep(0.05)
+    assert sent - t0 <= KEY_CACHE_S + 1, sent - t0
+    assert post(base, secret).status_code == 401  # completions refuse it too
 
 
 def test_requests_per_minute_answer_429_with_openai_headers(gateway):

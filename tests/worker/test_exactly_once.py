@@ -80,9 +80,13 @@ def test_a_blocked_loop_does_not_lose_its_live_jobs(env):
     url, prefix, c = env
     slow = StallOnce(stall_at=5, stall_s=2.5, max_num_seqs=8, step_delay=0.01)
     jobs = c.submit_many([dict(prompt=f"live {i}", max_tokens=40) for i in range(8)])
-    with worker_thread(slow, url, prefix, claim_idle_ms=500, name="blocked") as a:
+    # claim window 1.0 s, refreshed every 0.1 s: a CI stall of the lease thread (0.7 s seen)
+    # fits, while the 2.5 s stall of a loop that kept the entries itself would not
+    with worker_thread(slow, url, prefix, claim_idle_ms=1000, heartbeat_s=0.1,
+                       name="blocked") as a:
         wait_for(lambda: len(a.jobs.running) == 8, what="8 jobs running")
-        with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=500, name="other"):
+        with worker_thread(FakeEngine(), url, prefix, claim_idle_ms=1000, heartbeat_s=0.1,
+                           name="other"):
             for i, job in enumerate(jobs):
                 res = job.result(timeout=30)
                 assert res.text == expected_for_prompt(f"live {i}", 40) and res.worker == "blocked"

@@ -92,7 +92,11 @@ def test_refused_results_and_claims_are_held_and_retried(private):
     url, prefix, c = private
     eng = GatedEngine(hold_at=2, max_num_seqs=2)  # 2 tokens each: they end in step 2
     first = c.submit_many([dict(prompt=f"first {i}", max_tokens=2) for i in range(2)])
-    with worker_thread(eng, url, prefix, claim_idle_ms=1000, heartbeat_s=0.2) as w:
+    # held entries refreshed every 0.1 s: 0.9 s to spare under the 1 s window for a CI stall
+    # of the lease thread (0.7 s seen). A stopped refresh still shows: the two slots stay
+    # taken (the claims held count as pending), so the worker never reclaims its own entries,
+    # which would reset their idle time.
+    with worker_thread(eng, url, prefix, claim_idle_ms=1000, heartbeat_s=0.1) as w:
         wait_for(eng.holding.is_set, what="the first two jobs one step from their end")
         queued = c.submit_many([dict(prompt=f"queued {i}", max_tokens=2) for i in range(6)])
         with memory_pressure(c.redis):
