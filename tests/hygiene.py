@@ -142,16 +142,19 @@ TEST_KEYS = f"test-{SESSION}-*"
 
 
 def unexpired_keys(url: str, before: Optional[set] = None) -> tuple[set, list[str]]:
-    """(test keys without a TTL now, those of them not in `before`). Only keys under the tests'
-    prefixes (and Celery's kombu bindings, which the tests' apps create) count: the database may be shared with other processes (a developer's pool, Celery's
+    """(test keys without a TTL now, those of them not in `before`). Only keys under this run's
+    prefixes (and the kombu bindings of its queues, which the tests' apps create) count: the database may be shared with other processes (a developer's pool, Celery's
     routing keys), whose keys are none of the suite's business and must never be deleted."""
     import redis
 
     r = redis.Redis.from_url(url, socket_connect_timeout=1)
     try:
         keys = set(r.scan_iter(match=TEST_KEYS, count=1000))
-        # the Celery tests' kombu bindings (pool_helpers.drop_prefix deletes or expires them)
-        keys |= set(r.scan_iter(match="_kombu.binding*", count=1000))
+        # this run's Celery tests' kombu bindings (pool_helpers.drop_prefix deletes or expires
+        # them): `_kombu.binding[_permanent].<queue>`, the queue named by the test's prefix. Not
+        # every binding: a run beside this one (CI and a developer on one Redis) had its
+        # bindings deleted under it and was failed for them.
+        keys |= set(r.scan_iter(match=f"_kombu.binding*.{TEST_KEYS}", count=1000))
         pipe = r.pipeline(transaction=False)
         for k in keys:
             pipe.ttl(k)

@@ -7,6 +7,7 @@ import sys
 
 import redis
 
+from tests import hygiene
 from tests.pool_helpers import new_prefix
 
 LEAKY = '''
@@ -37,3 +38,19 @@ def test_a_leaking_run_fails_and_is_cleaned_up(redis_url, tmp_path):
     pid = int((tmp_path / "pid").read_text())
     assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], \
         "the leaked process is still alive"
+
+
+def test_only_this_runs_keys_are_its_business(redis_url):
+    """Another run on the same database (CI beside a developer) keeps its keys and kombu bindings."""
+    mine, theirs = new_prefix("hyg"), new_prefix("hyg").replace(hygiene.SESSION, "0ther0", 1)
+    keys = [f"_kombu.binding.{mine}", f"_kombu.binding_permanent.{mine}", f"_kombu.binding.{theirs}", theirs]
+    r = redis.Redis.from_url(redis_url)
+    try:
+        for k in keys:
+            r.set(k, "x")  # no TTL: what the check looks for
+        _, new = hygiene.unexpired_keys(redis_url, set())
+        assert keys[0] in new and keys[1] in new
+        assert keys[2] not in new and keys[3] not in new
+    finally:
+        r.delete(*keys)
+        r.close()
