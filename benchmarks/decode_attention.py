@@ -1,7 +1,8 @@
 """Decode attention alone over the paged KV cache (kernels/cpu/decode_attention.py), fp32 cache
-against bf16 (`kv_cache_dtype` bfloat16), on SmolLM2's heads: one decode step's attention over
-every layer, each layer its own cache (so no layer finds another's K/V in a CPU cache), the two
-dtypes alternated in one process, best of N. Prints ms a step and the K/V bytes read a second.
+against bf16 and int8 (`kv_cache_dtype` bfloat16 / int8), on SmolLM2's heads: one decode step's
+attention over every layer, each layer its own cache (so no layer finds another's K/V in a CPU
+cache), the dtypes alternated in one process, best of N. Prints ms a step and the K/V bytes read a
+second (an int8 cache's scales included).
 
     python benchmarks/decode_attention.py [--rows 48] [--tokens 450] [--layers 30] [--rounds 10]
 """
@@ -16,6 +17,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from genpool.kernels import kvq  # noqa: E402
 from genpool.kernels.cpu.decode_attention import decode_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, the engine's default block size
@@ -36,8 +38,8 @@ def main(argv=None) -> int:
     tables = torch.arange(blocks, dtype=torch.int32).view(a.rows, per_row)
     lens = torch.full((a.rows,), a.tokens, dtype=torch.int32)
     q = torch.randn(a.rows, HEADS, HEAD_DIM)
-    caches = {dt: [tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dt) for _ in "kv")
-                   for _ in range(a.layers)] for dt in (torch.float32, torch.bfloat16)}
+    caches = {dt: [tuple(_cache(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM), dt) for _ in "kv")
+                   for _ in range(a.layers)] for dt in (torch.float32, torch.bfloat16, torch.int8)}
 
     def step(dt) -> float:
         t0 = time.perf_counter()
@@ -51,9 +53,13 @@ def main(argv=None) -> int:
             best[dt] = min(best[dt], step(dt))
     print(f"{a.rows} rows x {a.tokens} tokens x {a.layers} layers, {a.threads} threads, best of {a.rounds}")
     for dt, s in best.items():
-        read = a.layers * a.rows * a.tokens * KV_HEADS * HEAD_DIM * 2 * dt.itemsize
+        read = a.layers * a.rows * a.tokens * KV_HEADS * kvq.row_dim(HEAD_DIM, dt) * 2 * dt.itemsize
         print(f"  {str(dt).removeprefix('torch.'):9s} cache: {s * 1e3:6.1f} ms a step, {read / s / 1e9:5.1f} GB/s of K/V")
     return 0
+
+
+def _cache(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    return kvq.quantize(x) if dt == torch.int8 else x.to(dt)
 
 
 if __name__ == "__main__":

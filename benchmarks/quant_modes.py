@@ -36,6 +36,8 @@ MODES = {"fp32": dict(dtype="float32"), "bf16": dict(dtype="bfloat16"),
 MODES.update({"int8-widen": MODES["int8"], "q4_1-widen": MODES["q4_1"]})
 # The same weights over a bf16 KV cache (EngineConfig.kv_cache_dtype): half the K/V bytes.
 MODES.update({f"{m}-kvbf16": dict(MODES[m], kv_cache_dtype="bfloat16") for m in ("fp32", "int8", "q4_1")})
+# ... or an int8 one (kernels/kvq.py: a scale per group of 32): 72 bytes a vector of 64, 0.28x fp32's.
+MODES.update({f"{m}-kvint8": dict(MODES[m], kv_cache_dtype="int8") for m in ("fp32", "int8", "q4_1")})
 MODE_ENV = {m: {"GENPOOL_QUANT_COMPUTE": "bf16"} for m in ("int8-widen", "q4_1-widen")}
 # int8 with its products of 32+ rows on AMX tiles (opt-in: kernels/cpu/qgemm.py compute_mode()).
 MODES.update({"int8-amx": MODES["int8"], "int8-amx-kvbf16": MODES["int8-kvbf16"]})

@@ -14,7 +14,8 @@ from genpool.schemas import settings
 # can build its options from this module cheaply
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
-KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "int8")
+_KV_NAMES = {**DTYPES, "int8": "int8"}  # int8: kernels/kvq.py's rows (a scale per vector)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KERNEL_BACKENDS = settings.KERNEL_BACKENDS  # "auto", "cpu", "torch", "triton"
 QUANT_COMPUTE = settings.QUANT_COMPUTE  # "auto", "amx", "vnni", "bf16", "fp32"
@@ -35,9 +36,10 @@ class EngineConfig:
                                      "checkpoint dir (required, no default)"))
     dtype: str = field(default="float32", metadata=_opt("weights and activations dtype", choices=tuple(DTYPES)))
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
-        "KV cache dtype: auto (the model's --dtype) or bfloat16 under a float32 model on the CPU, which "
-        "holds twice the tokens in the same memory and halves the bytes decode attention reads; K/V "
-        "are rounded to bf16 when written, attention computes in fp32", choices=KV_CACHE_DTYPES))
+        "KV cache dtype: auto (the model's --dtype), or under a float32 model on the CPU bfloat16 (twice "
+        "the tokens in the same memory, half the bytes decode attention reads; K/V rounded to bf16 when "
+        "written) or int8 (~3.8x the tokens: each K/V vector quantized with its own scale when written); "
+        "attention computes in fp32", choices=KV_CACHE_DTYPES))
     device: str = field(default="auto", metadata=_opt(
         "auto|cpu|cuda|cuda:N (auto: CUDA when torch sees a GPU, else the CPU)"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block (a power of two)"))
@@ -104,9 +106,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         kv, model = self.kv_dtype_name, DTYPES[self.dtype]
-        if kv != model and (kv, model) != ("bfloat16", "float32"):
+        if kv != model and (kv, model) not in (("bfloat16", "float32"), ("int8", "float32")):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} under dtype {self.dtype!r}: the KV cache "
-                             "is the model's dtype, or bfloat16 under a float32 model")
+                             "is the model's dtype, or bfloat16 or int8 under a float32 model")
         if not DEVICE_RE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -152,7 +154,7 @@ class EngineConfig:
     @property
     def kv_dtype_name(self) -> str:
         """The KV cache's canonical dtype name ("auto": the model's)."""
-        return DTYPES[self.dtype] if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+        return DTYPES[self.dtype] if self.kv_cache_dtype == "auto" else _KV_NAMES[self.kv_cache_dtype]
 
     @property
     def kv_torch_dtype(self):

@@ -17,7 +17,7 @@ from genpool.engine.models.llama import rope_cache
 from genpool.engine.models.loader import load_model
 from genpool.engine.startup import StartLog, mib
 from genpool.engine.step_rows import row_layout
-from genpool.kernels import get_backend
+from genpool.kernels import get_backend, kvq
 from genpool.schemas.settings import openmp_spin_unbounded
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class ModelRunner:
                             "spin ~300,000 times after each op and take cores from the kernels (decode steps "
                             "~10% slower measured); import genpool.engine first or set GOMP_SPINCOUNT=1000")
         self.dtype = config.torch_dtype
-        self.kv_dtype = config.kv_torch_dtype  # the model's, or bf16 under fp32 (halves the K/V bytes)
+        self.kv_dtype = config.kv_torch_dtype  # the model's, or bf16 / int8 under fp32 (1/2, ~1/4 of the bytes)
         self.block_size = config.block_size
         self.kern = get_backend(config.kernel_backend, self.device.type)
         if self.kv_dtype != self.dtype and self.kern.name not in ("cpu", "torch"):
@@ -52,7 +52,7 @@ class ModelRunner:
             trim_heap()  # the loaded copies the packing replaced go back to the system
         self.max_model_len = max_model_len
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
-        shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.kv_row)
         self.kv_caches = [(self._kv_tensor(shape), self._kv_tensor(shape))
                           for _ in range(self.args.num_layers)]
         startup.phase("KV allocated", f"{self.num_blocks} blocks of {self.block_size} tokens, "
@@ -76,7 +76,12 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         a = self.args
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * self.kv_row * self.kv_dtype.itemsize
+
+    @property
+    def kv_row(self) -> int:
+        """A cache vector's elements: head_dim, plus an int8 vector's scale bytes (kernels/kvq.py)."""
+        return kvq.row_dim(self.args.head_dim, self.kv_dtype)
 
     def _kv_tensor(self, shape: tuple) -> torch.Tensor:
         if self.device.type == "cpu":

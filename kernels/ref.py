@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from genpool.kernels import kvq
 from genpool.kernels.qtensor import QTensor
 
 
@@ -21,8 +22,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_flat.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
+    k_flat.index_copy_(0, slots, _stored(k, k_cache.dtype))
+    v_flat.index_copy_(0, slots, _stored(v, v_cache.dtype))
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as the cache holds them: cast, or quantized for an int8 cache (kernels/kvq.py)."""
+    return kvq.quantize(x) if dtype == torch.int8 else x.to(dtype)
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -57,9 +63,9 @@ def _decode_group(q, k_cache, v_cache, tables, lens, scale):
     nb = (max_len + bs - 1) // bs
     idx = tables[:, :nb].to(torch.long).reshape(-1)
     shape = (lens.shape[0], nb * bs, *k_cache.shape[2:])
-    # [B, Hkv, nb*bs, D]; a bf16 cache under fp32 q (kv_cache_dtype) widened to q's dtype
-    k = k_cache.index_select(0, idx).view(shape).transpose(1, 2).to(q.dtype)
-    v = v_cache.index_select(0, idx).view(shape).transpose(1, 2).to(q.dtype)
+    # [B, Hkv, nb*bs, D]; a bf16 or int8 cache under fp32 q (kv_cache_dtype) widened to q's dtype
+    k = kvq.widen(k_cache.index_select(0, idx).view(shape), q.dtype).transpose(1, 2)
+    v = kvq.widen(v_cache.index_select(0, idx).view(shape), q.dtype).transpose(1, 2)
     pos = torch.arange(nb * bs, device=q.device)
     mask = (pos[None, :] < lens[:, None].to(q.device))[:, None, None, :]  # [B,1,1,S]
     if q.dtype != torch.float32:
@@ -84,8 +90,8 @@ def _prefill_seq(q, k_cache, v_cache, table, kv_len, scale):
     """q [L, Hq, D]: the last L positions of a kv_len-token sequence, causal."""
     q_len = q.shape[0]
     # 4-D inputs: CPU SDPA takes its fused flash path only for [B, H, L, D] (3-D is ~4x slower).
-    k = _gather(k_cache, table, kv_len).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
-    v = _gather(v_cache, table, kv_len).transpose(0, 1)[None].to(q.dtype)
+    k = kvq.widen(_gather(k_cache, table, kv_len), q.dtype).transpose(0, 1)[None]  # [1, Hkv, S, D]
+    v = kvq.widen(_gather(v_cache, table, kv_len), q.dtype).transpose(0, 1)[None]
     gqa = k.shape[1] != q.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, Hq, L, D]
     if q_len == kv_len:

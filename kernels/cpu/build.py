@@ -44,6 +44,8 @@ LINKED = {"cpu_decode_layers": ("cpu_gemm", "cpu_qgemm", "cpu_qgemm_vnni", "cpu_
 POOL = "cpu_pool"
 # The `dtype` argument of every C kernel: which element type its tensors hold.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The `kv_dtype` argument of the kernels that read or write the KV caches: int8 is kernels/kvq.py's rows.
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2}
 
 
 def cache_dir() -> Path:

@@ -7,8 +7,9 @@
  * group's later heads; V, on AVX2, into one register for up to three heads: axpys_heads).
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous, fp32 or bf16
- * (kv_dtype 0 / 1); q and out: [rows, num_heads, head_dim] contiguous, fp32 or bf16 (dtype): a
- * bf16 cache under fp32 activations is kv_cache_dtype bfloat16. Scores, softmax and the
+ * (kv_dtype 0 / 1), or int8 (2: kernels/kvq.py's rows, kv_int8_row(head_dim) bytes, strides in bytes); q and
+ * out: [rows, num_heads, head_dim] contiguous, fp32 or bf16 (dtype): a bf16 or int8 cache under
+ * fp32 activations is kv_cache_dtype bfloat16 / int8. Scores, softmax and the
  * weighted sum of V are in fp32. Work is split over threads by KV length.
  * Returns 0, or a negative code: -1 out of memory, -2 block id out of range, -3 bad length.
  */
@@ -18,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Bytes per cache element: fp32, bf16, int8. */
+static inline int64_t kv_esize(int kv_dtype) { return kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1; }
 
 typedef struct {
     const void *q, *k, *v;
@@ -45,7 +49,7 @@ typedef struct {
 /* K (is_v = 0) or V block `blk`, or nothing for an id out of range (refused later, not read). */
 static inline pf_t block_pf(const job_t *j, int is_v, int64_t blk) {
     if (blk < 0 || blk >= j->num_blocks) return (pf_t){0, 0, 0};
-    const int64_t es = j->kv_dtype == 0 ? 4 : 2;
+    const int64_t es = kv_esize(j->kv_dtype);
     if (is_v) return (pf_t){(const char *)j->v + blk * j->v_sb * es, j->v_lines, j->v_per};
     return (pf_t){(const char *)j->k + blk * j->k_sb * es, j->k_lines, j->k_per};
 }
@@ -83,15 +87,31 @@ static inline const float *vec(const void *base, int64_t off, int dtype, int64_t
     return tmp;
 }
 
+/* An int8 vector of D elements at byte offset off as fp32 in dst: (float)q * its group's scale, as
+ * kernels/kvq.py widens it. */
+static inline void dequant(float *restrict dst, const void *base, int64_t off, int64_t D) {
+    const int8_t *restrict p = (const int8_t *)base + off;
+    for (int64_t g0 = 0; g0 < D; g0 += KV_GROUP) {
+        const int64_t n = D - g0 < KV_GROUP ? D - g0 : KV_GROUP;
+        float sc;
+        memcpy(&sc, p + D + 4 * (g0 / KV_GROUP), sizeof sc);
+#pragma omp simd
+        for (int64_t i = g0; i < g0 + n; i++) dst[i] = (float)p[i] * sc;
+    }
+}
+
 /* The n <= bs vectors of one block and kv head as fp32 rows `*stride` apart: in place for fp32,
- * widened into tmp [bs, D] for bf16 (once per block and head, not once per query head). */
+ * widened (bf16) or dequantized (int8) into tmp [bs, D] (once per block and head, not once per
+ * query head). */
 static inline const float *block_rows(const job_t *j, const void *base, int64_t off, int64_t slot_stride,
                                       int64_t n, int64_t D, float *tmp, int64_t *stride) {
     if (j->kv_dtype == 0) {
         *stride = slot_stride;
         return (const float *)base + off;
     }
-    for (int64_t t = 0; t < n; t++) vec(base, off + t * slot_stride, 1, D, tmp + t * D);
+    for (int64_t t = 0; t < n; t++)
+        if (j->kv_dtype == 2) dequant(tmp + t * D, base, off + t * slot_stride, D);
+        else vec(base, off + t * slot_stride, 1, D, tmp + t * D);
     *stride = D;
     return tmp;
 }
@@ -306,9 +326,9 @@ int paged_decode_attention(const void *q, const void *k, const void *v, void *ou
     job_t j = {q, k, v, out, tables, lens, hq, hkv, d, bs, width, num_blocks,
                k_strides[0], k_strides[1], k_strides[2], v_strides[0], v_strides[1], v_strides[2],
                scale, dtype, kv_dtype, 1, 0, 0};
-    const int64_t esize = kv_dtype == 0 ? 4 : 2;
-    j.k_lines = (((bs - 1) * j.k_ss + (hkv - 1) * j.k_sh + d) * esize + 63) / 64;
-    j.v_lines = (((bs - 1) * j.v_ss + (hkv - 1) * j.v_sh + d) * esize + 63) / 64;
+    const int64_t esize = kv_esize(kv_dtype), vec_len = kv_dtype == 2 ? kv_int8_row(d) : d; /* int8: scales */
+    j.k_lines = (((bs - 1) * j.k_ss + (hkv - 1) * j.k_sh + vec_len) * esize + 63) / 64;
+    j.v_lines = (((bs - 1) * j.v_ss + (hkv - 1) * j.v_sh + vec_len) * esize + 63) / 64;
     j.k_per = hq > 0 ? (j.k_lines + hq - 1) / hq : 0; /* hq = 0: no head, nothing prefetched */
     j.v_per = hq > 0 ? (j.v_lines + hq - 1) / hq : 0;
     int64_t total = 0;

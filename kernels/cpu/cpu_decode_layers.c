@@ -32,14 +32,14 @@ typedef struct {
     const float *ln1, *ln2;            /* RMSNorm weights [H] */
     const float *qkv, *qkv_bias;       /* packed [H, (nh + 2 nkv) hd] panels; bias or NULL */
     const float *o, *gate_up, *down;   /* packed panels: [nh hd, H], [H, 2I] (SwiGLU-fusable), [I, H] */
-    void *k_cache, *v_cache;           /* contiguous [blocks, bs, nkv, hd], fp32 or bf16 (dims_t.kv_dtype) */
+    void *k_cache, *v_cache;           /* contiguous [blocks, bs, nkv, hd (+ 4: int8)] (dims_t.kv_dtype) */
     /* quantized weights (kernels/cpu/cpu_qgemm.c) in place of the fp32 panels above, or NULL */
     const qweight_t *qqkv, *qo, *qgate_up, *qdown;
 } layer_t;
 
 typedef struct {
     int64_t layers, hidden, inter, nh, nkv, hd, block_size, num_blocks, max_pos;
-    int64_t kv_dtype; /* the caches: 0 fp32, 1 bf16 (written rounded, read widened) */
+    int64_t kv_dtype; /* the caches: 0 fp32, 1 bf16 (written rounded, read widened), 2 int8 (kernels/kvq.py) */
     float eps, scale;
 } dims_t;
 
@@ -80,10 +80,12 @@ static int attention_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t
     if (rc) return DL_ERR_GEMM + rc;
     rc = rotary(b->qkv, b->qkv + qn, b->q, b->k, pos, rope, m, d->nh, d->nkv, d->hd, qkv_n, qkv_n, d->max_pos, 0, nt);
     if (rc) return DL_ERR_ROTARY + rc;
+    const int64_t es = d->kv_dtype == 0 ? sizeof(float) : d->kv_dtype == 1 ? 2 : 1;
     rc = write_kv(b->k, b->qkv + qn + kn, l->k_cache, l->v_cache, slots, m, kn, kn, qkv_n,
-                  d->num_blocks * d->block_size, d->kv_dtype ? 2 : sizeof(float), (int)d->kv_dtype);
+                  d->num_blocks * d->block_size, es, (int)d->kv_dtype, d->hd);
     if (rc) return DL_ERR_KV + rc;
-    const int64_t strides[3] = {d->block_size * kn, kn, d->hd}; /* contiguous [blocks, bs, nkv, hd] */
+    const int64_t vec = d->kv_dtype == 2 ? kv_int8_row(d->hd) : d->hd; /* an int8 vector's scales follow it */
+    const int64_t strides[3] = {d->block_size * d->nkv * vec, d->nkv * vec, vec}; /* contiguous [blocks, bs, nkv, vec] */
     rc = paged_decode_attention(b->q, l->k_cache, l->v_cache, b->attn, tables, lens, m, d->nh, d->nkv, d->hd,
                                 d->block_size, width, d->num_blocks, strides, strides, d->scale, 0,
                                 (int)d->kv_dtype, nt);

@@ -10,7 +10,11 @@ void rms_norm(const void *x, const void *res, const void *w, void *out, void *su
 int rotary(const void *q, const void *k, void *qo, void *ko, const int64_t *pos, const float *cs, int64_t n,
            int64_t hq, int64_t hk, int64_t d, int64_t sq, int64_t sk, int64_t max_pos, int dtype, int nthreads);
 int write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots, int64_t t,
-             int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize, int to_bf16);
+             int64_t row, int64_t k_rs, int64_t v_rs, int64_t nslots, int64_t esize, int mode, int64_t d);
+/* kv_cache_dtype int8 (kernels/kvq.py): a K/V vector's d int8 elements, then one fp32 scale per group of
+ * KV_GROUP elements (the last group may be shorter): kv_int8_row(d) bytes. */
+enum { KV_GROUP = 32 };
+static inline int64_t kv_int8_row(int64_t d) { return d + 4 * ((d + KV_GROUP - 1) / KV_GROUP); }
 int paged_decode_attention(const void *q, const void *k, const void *v, void *out, const int32_t *tables,
                            const int32_t *lens, int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
                            int64_t width, int64_t num_blocks, const int64_t *k_strides, const int64_t *v_strides,

@@ -9,9 +9,11 @@ from functools import cache
 
 import torch
 
+from genpool.kernels import kvq
 from genpool.kernels.cpu import build as cpu_build
 
 _DTYPES = cpu_build.DTYPE_CODES
+_KV_DTYPES = cpu_build.KV_DTYPE_CODES
 _ERRORS = {-1: "out of memory", -2: "block id out of range", -3: "sequence length outside its block table"}
 
 
@@ -32,18 +34,20 @@ def available() -> bool:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D] (one query token per row) over the paged caches [blocks, bs, Hkv, D] -> [B, Hq, D].
-    q float32 or bfloat16; the caches q's dtype, or bfloat16 under float32 q (kv_cache_dtype)."""
+    q float32 or bfloat16; the caches q's dtype, or bfloat16 or int8 (kernels/kvq.py's rows [blocks, bs,
+    Hkv, D + 4]) under float32 q (kv_cache_dtype)."""
     fn = _kernel()
     if fn is None:
         raise RuntimeError("the CPU decode-attention kernel could not be built (see the log)")
     b, hq, d = q.shape
-    nblocks, bs, hkv, dk = k_cache.shape
+    nblocks, bs, hkv, _ = k_cache.shape
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         raise ValueError("CPU kernel: tensors must be on the CPU")
-    if q.dtype not in _DTYPES or k_cache.dtype not in (q.dtype, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+    narrow = (torch.bfloat16, torch.int8) if q.dtype == torch.float32 else (torch.bfloat16,)
+    if q.dtype not in _DTYPES or k_cache.dtype not in (q.dtype, *narrow) or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}: need float32/bfloat16 q "
-                         "over caches of its dtype or bfloat16")
-    if v_cache.shape != k_cache.shape or dk != d or hq % hkv:
+                         "over caches of its dtype or bfloat16, or float32 q over int8 caches")
+    if v_cache.shape != k_cache.shape or kvq.head_dim(k_cache) != d or hq % hkv:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches need a contiguous last dimension")
@@ -59,7 +63,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     vs = (ctypes.c_int64 * 3)(*v_cache.stride()[:3])
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), b, hq, hkv, d, bs, tables.shape[1], nblocks, ks, vs, float(scale),
-            _DTYPES[q.dtype], _DTYPES[k_cache.dtype], torch.get_num_threads())
+            _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"CPU decode attention failed: {_ERRORS.get(rc, rc)}")
     return out

@@ -13,6 +13,7 @@ from functools import cache
 
 import torch
 
+from genpool.kernels import kvq
 from genpool.kernels.cpu import build as cpu_build
 from genpool.kernels.cpu import gemm as cpu_gemm
 from genpool.kernels.cpu import qgemm as cpu_qgemm
@@ -72,11 +73,11 @@ def _fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
-KV_DTYPES = cpu_build.DTYPE_CODES  # the caches the stack takes: fp32 or bf16 (dims_t.kv_dtype)
+KV_DTYPES = cpu_build.KV_DTYPE_CODES  # the caches the stack takes: fp32, bf16 or int8 (dims_t.kv_dtype)
 
 
 def _cache_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
-    """A contiguous CPU cache of the first layer's K cache's shape and dtype (fp32 or bf16)."""
+    """A contiguous CPU cache of the first layer's K cache's shape and dtype (fp32, bf16 or int8)."""
     return (t.dtype == like.dtype and t.dtype in KV_DTYPES and t.device.type == "cpu" and t.is_contiguous()
             and t.shape == like.shape)
 
@@ -152,7 +153,7 @@ def build(layers: list[dict], final_norm: torch.Tensor, *, num_heads: int, num_k
     cache = layers[0]["k_cache"]
     cache_shape = cache.shape
     qkv_n = (num_heads + 2 * num_kv_heads) * head_dim
-    if (len(cache_shape) != 4 or tuple(cache_shape[2:]) != (num_kv_heads, head_dim)
+    if (len(cache_shape) != 4 or tuple(cache_shape[2:]) != (num_kv_heads, kvq.row_dim(head_dim, cache.dtype))
             or not all(_layer_ok(lay, hidden, qkv_n, cache) for lay in layers)):
         return None
     inter = layers[0]["gate_up"].n // 2

@@ -11,10 +11,10 @@ from functools import cache
 
 import torch
 
-from genpool.kernels import ref
+from genpool.kernels import kvq, ref
 from genpool.kernels.cpu import build as cpu_build
 
-_KV_DTYPES = cpu_build.DTYPE_CODES  # the caches it reads: fp32 or bf16 (the kernel's kv_dtype)
+_KV_DTYPES = cpu_build.KV_DTYPE_CODES  # the caches it reads: fp32, bf16 or int8 (the kernel's kv_dtype)
 _ERRORS = {-1: "out of memory", -2: "block id out of range", -3: "sequence lengths outside their block table",
            -4: "unsupported shape"}
 
@@ -33,7 +33,7 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """fp32 q over fp32 or bf16 caches on the CPU, a head size the 16-wide tiles cover and at most 64
+    """fp32 q over fp32, bf16 or int8 caches on the CPU, a head size the 16-wide tiles cover and at most 64
     query heads per kv head; anything else takes the reference."""
     hq, hkv = q.shape[1], k_cache.shape[2]
     return (q.dtype == torch.float32 and k_cache.dtype in _KV_DTYPES and q.device.type == "cpu"
@@ -49,8 +49,8 @@ def prefill_rows(q, k_cache, v_cache, tables, q_starts, q_lens, kv_lens, scale, 
     if fn is None:
         raise RuntimeError("the CPU prefill-attention kernel could not be built (see the log)")
     t, hq, d = q.shape
-    nblocks, bs, hkv, dk = k_cache.shape
-    if v_cache.shape != k_cache.shape or dk != d:
+    nblocks, bs, hkv, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape or kvq.head_dim(k_cache) != d:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
     if (v_cache.dtype != k_cache.dtype or out.dtype != torch.float32 or v_cache.device.type != "cpu"
             or out.device.type != "cpu" or tables.device.type != "cpu"):

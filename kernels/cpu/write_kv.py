@@ -1,6 +1,7 @@
 """Launcher for kernels/cpu/cpu_write_kv.c (scatter K/V rows into the paged caches); reference:
 ref.write_kv, which this falls back to for what the C kernel does not take (casts other than
-fp32 rows into a bf16 cache, non-contiguous caches or rows)."""
+fp32 rows into a bf16 or int8 cache, non-contiguous caches or rows). An int8 cache's rows are
+kernels/kvq.py's, bit for bit."""
 from __future__ import annotations
 
 import ctypes
@@ -8,14 +9,14 @@ from functools import cache
 
 import torch
 
-from genpool.kernels import ref
+from genpool.kernels import kvq, ref
 from genpool.kernels.cpu import build as cpu_build
 
 
 @cache
 def _kernel():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return cpu_build.function("cpu_write_kv", "write_kv", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int],
+    return cpu_build.function("cpu_write_kv", "write_kv", [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, i64],
                               ctypes.c_int)
 
 
@@ -24,14 +25,20 @@ def available() -> bool:
 
 
 def _rows_ok(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    # [T, Hkv, D] with each token's heads contiguous; the cache's dtype, or fp32 into a bf16 cache
-    return (x.dim() == 3 and x.shape[1:] == cache.shape[2:] and _cast_ok(x, cache)
-            and x.stride(2) == 1 and x.stride(1) == x.shape[2])
+    # [T, Hkv, D] with each token's heads contiguous; the cache's dtype, or fp32 into a bf16 / int8 cache
+    return (x.dim() == 3 and x.shape[1] == cache.shape[2] and x.shape[2] == kvq.head_dim(cache)
+            and _cast_ok(x, cache) and x.stride(2) == 1 and x.stride(1) == x.shape[2])
 
 
 def _cast_ok(x: torch.Tensor, cache: torch.Tensor) -> bool:
-    """A plain copy, or fp32 rows rounded into a bf16 cache: the two the C kernel does."""
-    return x.dtype == cache.dtype or (x.dtype, cache.dtype) == (torch.float32, torch.bfloat16)
+    """A plain copy, or fp32 rows rounded into a bf16 cache or quantized into an int8 one: what the
+    C kernel does."""
+    if x.dtype == torch.float32 and cache.dtype in _MODES:
+        return True
+    return x.dtype == cache.dtype and cache.dtype != torch.int8
+
+
+_MODES = {torch.bfloat16: 1, torch.int8: 2}  # the kernel's mode for fp32 rows into a narrower cache
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,7 +57,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     nslots = k_cache.shape[0] * k_cache.shape[1]
     rc = fn(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
             k.shape[1] * k.shape[2], k.stride(0), v.stride(0), nslots, k_cache.element_size(),
-            int(k.dtype != k_cache.dtype))
+            _MODES.get(k_cache.dtype, 0) if k.dtype != k_cache.dtype else 0, k.shape[2])
     if rc != 0:
         raise ValueError(f"a slot lies outside the KV cache of {nslots} slots")
     return None

@@ -73,12 +73,14 @@ def _decode_steps_match(runner, seqs, steps=3):
             s.num_computed_tokens += 1
 
 
-@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv", ["auto", "bfloat16", "int8"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_path", "tiny_qwen2_path"])
 def test_the_stack_gives_the_module_paths_bits(fixture, kv, request):
-    """bfloat16: a bf16 KV cache under the fp32 model, written rounded and read widened on both paths."""
+    """bfloat16 / int8: a bf16 or int8 KV cache under the fp32 model, written rounded (quantized)
+    and read widened on both paths."""
     runner = _runner(request.getfixturevalue(fixture), kv_cache_dtype=kv)
-    assert runner.kv_caches[0][0].dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
+    assert runner.kv_caches[0][0].dtype == {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(kv, torch.float32)
+    assert runner.decode_stack is not None
     # the 16-token one starts a new block at the first step, the 47-token one at the second
     _decode_steps_match(runner, _prefilled(runner, [5, 16, 31, 47]))
 
