@@ -5,7 +5,7 @@
  * decode sizes here, ~12% of a small decode step's non-GEMM time. Rows: `row` elements
  * (Hkv * D) contiguous, rows k_rs / v_rs elements apart (v is a view into the fused qkv output);
  * caches contiguous [blocks, bs, Hkv, D]; esize bytes per element, same dtype everywhere, except
- * with to_bf16: fp32 rows into a bf16 cache (kv_cache_dtype bfloat16 under an fp32 model), each
+ * with mode 1: fp32 rows into a bf16 cache (kv_cache_dtype bfloat16 under an fp32 model), each
  * element rounded to nearest even as torch's .to(torch.bfloat16); with mode 2, fp32 rows into an
  * int8 cache (kv_cache_dtype int8): each head's d elements quantized, then their groups' fp32
  * scales (kernels/kvq.py, the reference these bits match; kv_int8_row(d) bytes a head).
@@ -24,20 +24,34 @@ static void row_to_bf16(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = f32_bf16(src[i]);
 }
 
+/* scale = max|x| / 127 and inv = 127 / max|x| (one division a group; 0 for an all-zero group). */
+static inline float group_scale(float amax, float *inv) {
+    *inv = amax > 0.f ? 127.f / amax : 0.f;
+    return amax / 127.f;
+}
+
+/* Elements times inv, rounded to nearest even (the fp32 product first: the reference rounds it),
+ * saturated to +-127. */
+static inline void round_group(int8_t *dst, const float *src, int64_t n, float inv) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = nearbyintf(src[i] * inv);
+        dst[i] = (int8_t)(x > 127.f ? 127.f : x < -127.f ? -127.f : x);
+    }
+}
+
 /* One vector of d elements as kvq.quantize: per group of KV_GROUP, scale = max|x| / 127 and
- * q = nearbyint(x / scale) (the default rounding, half to even, as torch.round); the groups'
- * scales after the d elements. */
+ * q = nearbyint(x * (127 / max|x|)) (the default rounding, half to even, as torch.round; a
+ * product, not x / scale: one division a group); the groups' scales after the d elements.
+ * ~3.5x a bf16 cache's writes (0.38 against 0.11 ms for a 1,024-token layer of SmolLM2, one
+ * thread, Zen 4): ~1% of a prompt-heavy mix. AVX-512 intrinsics for whole groups were no faster. */
 static void vec_to_int8(int8_t *dst, const float *src, int64_t d) {
     for (int64_t g0 = 0, gi = 0; g0 < d; g0 += KV_GROUP, gi++) {
         const int64_t n = d - g0 < KV_GROUP ? d - g0 : KV_GROUP;
-        float amax = 0.f;
+        float amax = 0.f, inv;
 #pragma omp simd reduction(max : amax)
         for (int64_t i = 0; i < n; i++) amax = fabsf(src[g0 + i]) > amax ? fabsf(src[g0 + i]) : amax;
-        const float scale = amax / 127.f;
-        for (int64_t i = 0; i < n; i++) {
-            const float x = scale > 0.f ? nearbyintf(src[g0 + i] / scale) : 0.f;
-            dst[g0 + i] = (int8_t)(x > 127.f ? 127.f : x < -127.f ? -127.f : x);
-        }
+        const float scale = group_scale(amax, &inv);
+        round_group(dst + g0, src + g0, n, inv);
         memcpy(dst + d + 4 * gi, &scale, sizeof scale);
     }
 }
