@@ -15,7 +15,7 @@ from genpool.schemas import settings
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "int8")
-_KV_NAMES = {**DTYPES, "int8": "int8"}  # int8: kernels/kvq.py's rows (a scale per vector)
+_KV_NAMES = {**DTYPES, "int8": "int8"}  # int8: kernels/kvq.py's rows (an fp32 scale per group of 32)
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KERNEL_BACKENDS = settings.KERNEL_BACKENDS  # "auto", "cpu", "torch", "triton"
 QUANT_COMPUTE = settings.QUANT_COMPUTE  # "auto", "amx", "vnni", "bf16", "fp32"
@@ -38,8 +38,8 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata=_opt(
         "KV cache dtype: auto (the model's --dtype), or under a float32 model on the CPU bfloat16 (twice "
         "the tokens in the same memory, half the bytes decode attention reads; K/V rounded to bf16 when "
-        "written) or int8 (~3.8x the tokens: each K/V vector quantized with its own scale when written); "
-        "attention computes in fp32", choices=KV_CACHE_DTYPES))
+        "written) or int8 (3.56x the tokens at head size 64: K/V quantized when written, an fp32 "
+        "scale per group of 32); attention computes in fp32", choices=KV_CACHE_DTYPES))
     device: str = field(default="auto", metadata=_opt(
         "auto|cpu|cuda|cuda:N (auto: CUDA when torch sees a GPU, else the CPU)"))
     block_size: int = field(default=16, metadata=_opt("tokens per KV-cache block (a power of two)"))

@@ -32,7 +32,7 @@ typedef struct {
     const float *ln1, *ln2;            /* RMSNorm weights [H] */
     const float *qkv, *qkv_bias;       /* packed [H, (nh + 2 nkv) hd] panels; bias or NULL */
     const float *o, *gate_up, *down;   /* packed panels: [nh hd, H], [H, 2I] (SwiGLU-fusable), [I, H] */
-    void *k_cache, *v_cache;           /* contiguous [blocks, bs, nkv, hd (+ 4: int8)] (dims_t.kv_dtype) */
+    void *k_cache, *v_cache;           /* contiguous [blocks, bs, nkv, kv_int8_row(hd) for int8, else hd] (dims_t.kv_dtype) */
     /* quantized weights (kernels/cpu/cpu_qgemm.c) in place of the fp32 panels above, or NULL */
     const qweight_t *qqkv, *qo, *qgate_up, *qdown;
 } layer_t;

@@ -116,7 +116,7 @@ static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
             vr = blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         }
         const void *ks = t < kl ? j->k : 0, *vs = t < kl ? j->v : 0;
-        float ksc[MAX_GROUPS] = {0}, vsc[MAX_GROUPS] = {0}; /* int8: the groups' scales after the elements */
+        float ksc[MAX_GROUPS], vsc[MAX_GROUPS]; /* int8: the groups' scales after the elements (read only then) */
         if (kt == 2 && t < kl) {
             memcpy(ksc, (const int8_t *)ks + kr + D, (kv_int8_row(D) - D));
             memcpy(vsc, (const int8_t *)vs + vr + D, (kv_int8_row(D) - D));

@@ -11,6 +11,7 @@
  * scales (kernels/kvq.py, the reference these bits match; kv_int8_row(d) bytes a head).
  * Returns 0, or -2 for a slot outside the cache (nothing past it is written).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,17 +25,19 @@ static void row_to_bf16(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = f32_bf16(src[i]);
 }
 
-/* scale = max|x| / 127 and inv = 127 / max|x| (one division a group; 0 for an all-zero group). */
+/* scale = max|x| / 127 and inv = 127 / max|x| (one division a group). inv is 0 for an all-zero
+ * group, and where it would not be finite (max|x| below ~4e-37, or infinite): its elements are 0. */
 static inline float group_scale(float amax, float *inv) {
-    *inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float r = amax > 0.f ? 127.f / amax : 0.f;
+    *inv = r <= FLT_MAX ? r : 0.f;
     return amax / 127.f;
 }
 
 /* Elements times inv, rounded to nearest even (the fp32 product first: the reference rounds it),
- * saturated to +-127. */
+ * saturated to +-127; a NaN product (a NaN element, or inf times 0) is 0, never cast (undefined). */
 static inline void round_group(int8_t *dst, const float *src, int64_t n, float inv) {
     for (int64_t i = 0; i < n; i++) {
-        const float x = nearbyintf(src[i] * inv);
+        const float y = src[i] * inv, x = y == y ? nearbyintf(y) : 0.f;
         dst[i] = (int8_t)(x > 127.f ? 127.f : x < -127.f ? -127.f : x);
     }
 }
@@ -47,7 +50,7 @@ static inline void round_group(int8_t *dst, const float *src, int64_t n, float i
 static void vec_to_int8(int8_t *dst, const float *src, int64_t d) {
     for (int64_t g0 = 0, gi = 0; g0 < d; g0 += KV_GROUP, gi++) {
         const int64_t n = d - g0 < KV_GROUP ? d - g0 : KV_GROUP;
-        float amax = 0.f, inv;
+        float amax = 0.f, inv; /* NaN elements left out, as the reference does */
 #pragma omp simd reduction(max : amax)
         for (int64_t i = 0; i < n; i++) amax = fabsf(src[g0 + i]) > amax ? fabsf(src[g0 + i]) : amax;
         const float scale = group_scale(amax, &inv);

@@ -35,7 +35,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D] (one query token per row) over the paged caches [blocks, bs, Hkv, D] -> [B, Hq, D].
     q float32 or bfloat16; the caches q's dtype, or bfloat16 or int8 (kernels/kvq.py's rows [blocks, bs,
-    Hkv, D + 4]) under float32 q (kv_cache_dtype)."""
+    Hkv, D + 4 * ceil(D / 32)]) under float32 q (kv_cache_dtype)."""
     fn = _kernel()
     if fn is None:
         raise RuntimeError("the CPU decode-attention kernel could not be built (see the log)")

@@ -44,6 +44,32 @@ def test_the_c_kernel_writes_the_references_rows():
     assert got[0].view(-1, 3, 72)[2].any() and not got[0].view(-1, 3, 72)[1].any()
 
 
+def test_the_c_kernel_and_the_reference_round_alike_where_a_reciprocal_would_not():
+    """127 / amax is one division on both sides: torch's `127 / tensor` is a reciprocal and a
+    product, two roundings, which made 1 element in ~1.3M differ from the kernel's (this pair)."""
+    amax, x = float.fromhex("0x1.ec4d4ep+2"), float.fromhex("0x1.74223ep-4")
+    k = torch.zeros(1, 1, 32)
+    k[0, 0, 0], k[0, 0, 1] = amax, x
+    got = [torch.zeros(1, 16, 1, 36, dtype=torch.int8) for _ in range(2)]
+    cpu_write_kv.write_kv(k, k, *got, torch.tensor([0]))
+    want = kvq.quantize(k)
+    assert int(want[0, 0, 1]) == int(got[0][0, 0, 0, 1]) == 1
+    assert torch.equal(got[0][0, 0], want[0])
+
+
+def test_degenerate_groups_quantize_to_zeros_not_to_undefined_casts():
+    """A group whose 127 / max|x| overflows (max|x| ~1e-38) or is 0 (an inf in it): the elements
+    are 0, on both sides, not a cast of NaN (undefined in C)."""
+    k = torch.zeros(1, 1, 64)
+    k[0, 0, :3] = torch.tensor([1e-38, -5e-39, 0.0])
+    k[0, 0, 32:34] = torch.tensor([float("inf"), 1.0])
+    got = [torch.zeros(1, 16, 1, 72, dtype=torch.int8) for _ in range(2)]
+    cpu_write_kv.write_kv(k, k, *got, torch.tensor([0]))
+    want = kvq.quantize(k)
+    assert torch.equal(got[0][0, 0], want[0])
+    assert not want[0, 0, :64].any()
+
+
 def test_int8_rows_are_refused_as_values_to_copy():
     with pytest.raises(ValueError, match="slot"):  # a float32 row into an int8 cache, outside it
         cpu_write_kv.write_kv(torch.ones(1, 3, 64), torch.ones(1, 3, 64),
