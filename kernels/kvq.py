@@ -33,10 +33,8 @@ def head_dim(cache: torch.Tensor) -> int:
     if cache.dtype != torch.int8:
         return cache.shape[-1]
     row = cache.shape[-1]
-    d = row - 4 * _groups(row)
-    while row_dim(d, torch.int8) < row:  # the row's scales take 4 bytes per group of the D elements
-        d += 1
-    if row_dim(d, torch.int8) != row:
+    d = row - 4 * -(-row // (GROUP + 4))  # each group takes GROUP + 4 bytes, the last one r + 4
+    if d < 1 or row_dim(d, torch.int8) != row:
         raise ValueError(f"an int8 KV cache row of {row} bytes holds no head size (D + 4 * ceil(D / 32))")
     return d
 

@@ -20,9 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Bytes per cache element: fp32, bf16, int8. */
-static inline int64_t kv_esize(int kv_dtype) { return kv_dtype == 0 ? 4 : kv_dtype == 1 ? 2 : 1; }
-
 typedef struct {
     const void *q, *k, *v;
     void *out;
@@ -87,19 +84,6 @@ static inline const float *vec(const void *base, int64_t off, int dtype, int64_t
     return tmp;
 }
 
-/* An int8 vector of D elements at byte offset off as fp32 in dst: (float)q * its group's scale, as
- * kernels/kvq.py widens it. */
-static inline void dequant(float *restrict dst, const void *base, int64_t off, int64_t D) {
-    const int8_t *restrict p = (const int8_t *)base + off;
-    for (int64_t g0 = 0; g0 < D; g0 += KV_GROUP) {
-        const int64_t n = D - g0 < KV_GROUP ? D - g0 : KV_GROUP;
-        float sc;
-        memcpy(&sc, p + D + 4 * (g0 / KV_GROUP), sizeof sc);
-#pragma omp simd
-        for (int64_t i = g0; i < g0 + n; i++) dst[i] = (float)p[i] * sc;
-    }
-}
-
 /* The n <= bs vectors of one block and kv head as fp32 rows `*stride` apart: in place for fp32,
  * widened (bf16) or dequantized (int8) into tmp [bs, D] (once per block and head, not once per
  * query head). */
@@ -110,7 +94,7 @@ static inline const float *block_rows(const job_t *j, const void *base, int64_t 
         return (const float *)base + off;
     }
     for (int64_t t = 0; t < n; t++)
-        if (j->kv_dtype == 2) dequant(tmp + t * D, base, off + t * slot_stride, D);
+        if (j->kv_dtype == 2) kv_int8_widen(tmp + t * D, (const int8_t *)base + off + t * slot_stride, D, 0, D);
         else vec(base, off + t * slot_stride, 1, D, tmp + t * D);
     *stride = D;
     return tmp;

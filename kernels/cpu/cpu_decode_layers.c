@@ -80,9 +80,8 @@ static int attention_block(const dims_t *d, const layer_t *l, bufs_t *b, int64_t
     if (rc) return DL_ERR_GEMM + rc;
     rc = rotary(b->qkv, b->qkv + qn, b->q, b->k, pos, rope, m, d->nh, d->nkv, d->hd, qkv_n, qkv_n, d->max_pos, 0, nt);
     if (rc) return DL_ERR_ROTARY + rc;
-    const int64_t es = d->kv_dtype == 0 ? sizeof(float) : d->kv_dtype == 1 ? 2 : 1;
     rc = write_kv(b->k, b->qkv + qn + kn, l->k_cache, l->v_cache, slots, m, kn, kn, qkv_n,
-                  d->num_blocks * d->block_size, es, (int)d->kv_dtype, d->hd);
+                  d->num_blocks * d->block_size, kv_esize((int)d->kv_dtype), (int)d->kv_dtype, d->hd);
     if (rc) return DL_ERR_KV + rc;
     const int64_t vec = d->kv_dtype == 2 ? kv_int8_row(d->hd) : d->hd; /* an int8 vector's scales follow it */
     const int64_t strides[3] = {d->block_size * d->nkv * vec, d->nkv * vec, vec}; /* contiguous [blocks, bs, nkv, vec] */

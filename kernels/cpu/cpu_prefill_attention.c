@@ -35,7 +35,7 @@
  */
 #include "cpu_common.h"
 #include "cpu_attn_dots.h"
-#include "cpu_kernels.h" /* KV_GROUP, kv_int8_row */
+#include "cpu_kernels.h" /* kv_int8_widen */
 #include "cpu_tile.h"
 #include <math.h>
 #include <stdlib.h>
@@ -45,8 +45,6 @@
  * that a chunk's K rows or V panels stay in L2 (~128 KB each at D = 64) across the item's rows.
  * GC: columns of one tile call. */
 enum { ROWS = 48, KCH = 512, GC = PANEL_COLS * PANEL_GROUP };
-/* int8 caches: scales a vector holds at most (head sizes up to 512; larger ones are refused) */
-enum { MAX_GROUPS = 512 / KV_GROUP };
 
 typedef struct {
     const float *q;
@@ -73,24 +71,16 @@ static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to
 static inline int64_t tile_height(int64_t R, int64_t i) { return R - i * TILE_ROWS < TILE_ROWS ? R - i * TILE_ROWS : TILE_ROWS; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* n elements of a cache row into dst, from element c0 of the vector at off: fp32 copied, bf16
- * widened (exact), int8 times its group's scale (decode attention's one rounding; the scales at
- * `scales`, after the vector's D elements); no row (src NULL): zeros. Locals and restrict so that
- * the loops vectorise: with dst possibly aliasing the job, the compiler reloaded its fields per
- * element, and these copies took ~15% of the kernel's time. */
-static inline void widen_row(float *restrict dst, const void *src, int64_t off, int64_t c0, int64_t n, int kt,
-                             const float *scales) {
+/* n elements of a cache row into dst, from element c0 of the D-element vector at off: fp32 copied,
+ * bf16 widened (exact), int8 as decode attention reads it (kv_int8_widen); no row (src NULL):
+ * zeros. Locals and restrict so that the loops vectorise: with dst possibly aliasing the job, the
+ * compiler reloaded its fields per element, and these copies took ~15% of the kernel's time. */
+static inline void widen_row(float *restrict dst, const void *src, int64_t off, int64_t D, int64_t c0, int64_t n,
+                             int kt) {
     if (!src) {
         memset(dst, 0, sizeof(float) * n);
     } else if (kt == 2) {
-        const int8_t *restrict b = (const int8_t *)src + off + c0;
-        for (int64_t g0 = 0; g0 < n;) { /* a run of elements in one group */
-            const int64_t g = (c0 + g0) / KV_GROUP, end = min64(n, (g + 1) * KV_GROUP - c0);
-            const float sc = scales[g];
-#pragma omp simd
-            for (int64_t c = g0; c < end; c++) dst[c] = (float)b[c] * sc;
-            g0 = end;
-        }
+        kv_int8_widen(dst, (const int8_t *)src + off, D, c0, n);
     } else if (kt == 1) {
         const uint16_t *restrict h = (const uint16_t *)src + off + c0;
 #pragma omp simd
@@ -116,15 +106,10 @@ static int pack_kv(const job_t *j, scratch_t *w, int64_t sq, int64_t h, int64_t 
             vr = blk * j->v_sb + off * j->v_ss + h * j->v_sh;
         }
         const void *ks = t < kl ? j->k : 0, *vs = t < kl ? j->v : 0;
-        float ksc[MAX_GROUPS], vsc[MAX_GROUPS]; /* int8: the groups' scales after the elements (read only then) */
-        if (kt == 2 && t < kl) {
-            memcpy(ksc, (const int8_t *)ks + kr + D, (kv_int8_row(D) - D));
-            memcpy(vsc, (const int8_t *)vs + vr + D, (kv_int8_row(D) - D));
-        }
-        widen_row(kp, ks, kr, 0, D, kt, ksc);
+        widen_row(kp, ks, kr, D, 0, D, kt);
         for (int64_t c0 = 0; c0 < dpad; c0 += PC, vp += lmax * PC) { /* one panel's PC columns */
             const int64_t n = min64(PC, D > c0 ? D - c0 : 0);
-            widen_row(vp, vs, vr, c0, n, kt, vsc);
+            widen_row(vp, vs, vr, D, c0, n, kt);
             memset(vp + n, 0, sizeof(float) * (PC - n)); /* the panel's columns past D */
         }
     }
@@ -253,7 +238,7 @@ int paged_prefill_attention(const float *q, const void *k, const void *v, float 
                             int64_t nseq, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t num_blocks,
                             const int64_t *k_strides, const int64_t *v_strides, float scale, int kv_dtype,
                             int nthreads) {
-    if (d < 1 || hkv < 1 || hq % hkv || hq / hkv > 64 || bs < 1 || (kv_dtype == 2 && d > 512)) return -4;
+    if (d < 1 || hkv < 1 || hq % hkv || hq / hkv > 64 || bs < 1) return -4;
     int64_t *start = malloc(sizeof(int64_t) * (nseq + 1));
     if (!start) return -1;
     const int64_t G = hq / hkv, qb = G >= ROWS ? 1 : ROWS / G;

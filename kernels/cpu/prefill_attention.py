@@ -37,8 +37,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     query heads per kv head; anything else takes the reference."""
     hq, hkv = q.shape[1], k_cache.shape[2]
     return (q.dtype == torch.float32 and k_cache.dtype in _KV_DTYPES and q.device.type == "cpu"
-            and k_cache.device.type == "cpu" and q.shape[-1] % 16 == 0 and hq % hkv == 0 and hq // hkv <= 64
-            and (k_cache.dtype != torch.int8 or q.shape[-1] <= 512))  # the kernel's int8 scales buffer
+            and k_cache.device.type == "cpu" and q.shape[-1] % 16 == 0 and hq % hkv == 0 and hq // hkv <= 64)
 
 
 def prefill_rows(q, k_cache, v_cache, tables, q_starts, q_lens, kv_lens, scale, out) -> None:
