@@ -35,15 +35,17 @@ PROMPTS = [{"prompt_token_ids": [3 + (i * 7 + j * 13) % 50 for j in range(n)]}
            for i, n in enumerate((12, 30, 5, 41))]
 
 
+@pytest.mark.parametrize("kv", ["auto", "bfloat16", "int8"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, repetition_penalty=1.2,
                    logit_bias={7: 2.0}),
     SamplingParams(temperature=0, max_tokens=40, min_tokens=20, stop_token_ids=[17, 23]),
 ])
-def test_greedy_output_is_identical_with_drafts(tiny_llama_path, params):
-    plain, _ = _generate(tiny_llama_path, PROMPTS, params)
-    spec, speculator = _generate(tiny_llama_path, PROMPTS, params, NGRAM)
+def test_greedy_output_is_identical_with_drafts(tiny_llama_path, params, kv):
+    # over a narrow cache too: verification's prompt-sized rows read the K/V decode wrote
+    plain, _ = _generate(tiny_llama_path, PROMPTS, params, kv_cache_dtype=kv)
+    spec, speculator = _generate(tiny_llama_path, PROMPTS, params, NGRAM, kv_cache_dtype=kv)
     assert spec == plain
     assert speculator.accepted > 0  # the drafts were used, not only proposed
 
@@ -106,14 +108,15 @@ def test_the_sampled_rule_is_distributed_as_the_target():
 
 
 @pytest.mark.checkpoint
-def test_smollm2_copy_heavy_greedy_is_identical(smollm2_path):
+@pytest.mark.parametrize("mode", [{}, {"quantization": "int8", "kv_cache_dtype": "int8"}], ids=["fp32", "int8-kvint8"])
+def test_smollm2_copy_heavy_greedy_is_identical(smollm2_path, mode):
     doc = ("Invoice 4471 was issued on 3 March to Harbor Supplies Ltd for 12 steel brackets at "
            "4.50 each, 3 oak panels at 27.00 each and one delivery fee of 15.00.")
     prompt = [{"role": "user", "content": f"Copy every line item of this invoice, one per line:\n{doc}"}]
     params = SamplingParams(temperature=0, max_tokens=64)
-    with LLM(str(smollm2_path), num_kv_blocks=64) as llm:
+    with LLM(str(smollm2_path), num_kv_blocks=64, **mode) as llm:
         plain = llm.chat(prompt, params)[0].outputs[0].token_ids
-    with LLM(str(smollm2_path), num_kv_blocks=64, speculative_config=NGRAM) as llm:
+    with LLM(str(smollm2_path), num_kv_blocks=64, speculative_config=NGRAM, **mode) as llm:
         spec = llm.chat(prompt, params)[0].outputs[0].token_ids
         accepted = llm.llm_engine.speculator.accepted
     assert spec == plain and accepted > 0
