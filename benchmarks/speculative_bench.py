@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram drafts, engine/speculative.py) on and off, side by side.
 
-Two workloads, SmolLM2-135M-Instruct fp32, greedy:
+Two workloads, SmolLM2-135M-Instruct in one weight mode (`--mode`, benchmarks/quant_modes.py's
+names: fp32 by default, e.g. int8-kvint8), greedy:
   copy-heavy: documents (benchmarks/workload.py's paragraphs) with instructions that copy from
               them (extract sentences verbatim, quote the key facts, summarize in the text's own
               words, correct nothing), at batch 1, 4 and 16;
@@ -24,6 +25,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+from benchmarks.quant_modes import MODE_ENV, MODES  # noqa: E402
 from benchmarks.workload import PARAGRAPHS, build_workload  # noqa: E402
 from genpool.engine import LLM, SamplingParams  # noqa: E402
 
@@ -81,6 +83,7 @@ def compare(llms: dict, prompts, params, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--mode", default="fp32", choices=sorted(MODES), help="weights and KV cache (quant_modes.py)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -92,11 +95,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ngram = dict(NGRAM, disable_by_batch_size=args.max_batch)
-    common = dict(dtype="float32", num_threads=args.threads, enable_prefix_caching=False)
+    os.environ.update(MODE_ENV.get(args.mode, {}))  # read once, at the first quantized product
+    common = dict(MODES[args.mode], num_threads=args.threads, enable_prefix_caching=False)
     llms = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=ngram, **common)}
     tok = llms["off"].get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    report = {"config": ngram, "copy": {}}
+    report = {"config": ngram, "mode": args.mode, "copy": {}}
     for llm in llms.values():  # warm-up: kernels built
         llm.generate(copy_prompts(tok, 1), greedy.clone(max_tokens=4))
     print("| workload | batch | off tok/s | on tok/s | speedup | off ms/tok | on ms/tok | accepted/drafted |")

@@ -20,6 +20,11 @@ from genpool.engine.step_rows import row_layout
 from genpool.kernels import get_backend, kvq
 from genpool.schemas.settings import openmp_spin_unbounded
 
+# Rows of one sequence in a step, at most, for running the step as decode rows (prepare()): decode
+# attention reads a sequence's K/V once per row where prefill attention reads it once per chunk,
+# so only short runs (a decode's 1, a verification's k + 1) go that way.
+FLAT_MAX_ROWS = 8
+
 log = logging.getLogger(__name__)
 
 
@@ -136,6 +141,14 @@ class ModelRunner:
                 keep_rows.extend(range(qsl[-1] - kept, qsl[-1]))
                 keep_qsl.append(keep_qsl[-1] + kept)
                 keep_seqs.append(i)
+        # Every row kept and none in a long run (decodes, draft verifications): each row becomes one
+        # query over its own prefix, so the step runs as decode rows (the one-call decode stack
+        # on the CPU). Its K/V are all written before any row attends, and prefill attention gives
+        # decode attention's bits row for row, so the results do not change; the step gets faster.
+        flat = len(keep_rows) == len(ids) and all(n <= FLAT_MAX_ROWS for _, n in scheduled)
+        if flat:
+            tables = [t for t, (_, n) in zip(tables, scheduled) for _ in range(n)]
+            lens, qsl = [p + 1 for p in pos], list(range(len(ids) + 1))
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -145,7 +158,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             rope=self.rope,
-            decode_only=len(keep_rows) == len(ids) == len(scheduled),
+            decode_only=flat,
         )
         if len(keep_rows) < len(ids):
             sel = torch.tensor(keep_seqs, dtype=torch.long, device=dev)

@@ -120,3 +120,17 @@ def test_smollm2_copy_heavy_greedy_is_identical(smollm2_path, mode):
         spec = llm.chat(prompt, params)[0].outputs[0].token_ids
         accepted = llm.llm_engine.speculator.accepted
     assert spec == plain and accepted > 0
+
+
+def test_verification_steps_run_as_decode_rows(tiny_llama_path):
+    # a verifying sequence's k + 1 rows each attend to their own prefix, so the step runs on the
+    # one-call decode stack (engine/model_runner.py, prepare) instead of layer by layer
+    with LLM(str(tiny_llama_path), num_kv_blocks=64, speculative_config=NGRAM) as llm:
+        runner = llm.llm_engine.runner
+        if runner.decode_stack is None:
+            pytest.skip("this backend has no decode stack")
+        stack, rows = runner.decode_stack, []
+        runner.decode_stack = lambda x, *a: rows.append(x.shape[0]) or stack(x, *a)
+        llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        assert llm.llm_engine.speculator.accepted > 0
+    assert max(rows) > 1  # one sequence: only a verification gives the stack several rows
