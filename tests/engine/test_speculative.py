@@ -43,7 +43,7 @@ PROMPTS = [{"prompt_token_ids": [3 + (i * 7 + j * 13) % 50 for j in range(n)]}
     SamplingParams(temperature=0, max_tokens=40, min_tokens=20, stop_token_ids=[17, 23]),
 ])
 def test_greedy_output_is_identical_with_drafts(tiny_llama_path, params, kv):
-    # over a narrow cache too: verification's prompt-sized rows read the K/V decode wrote
+    # over a narrow cache too: a verification's rows attend over K/V rounded when written
     plain, _ = _generate(tiny_llama_path, PROMPTS, params, kv_cache_dtype=kv)
     spec, speculator = _generate(tiny_llama_path, PROMPTS, params, NGRAM, kv_cache_dtype=kv)
     assert spec == plain
