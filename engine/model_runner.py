@@ -20,11 +20,6 @@ from genpool.engine.step_rows import row_layout
 from genpool.kernels import get_backend, kvq
 from genpool.schemas.settings import openmp_spin_unbounded
 
-# Rows of one sequence in a step, at most, for running the step as decode rows (prepare()): decode
-# attention reads a sequence's K/V once per row where prefill attention reads it once per chunk,
-# so only short runs (a decode's 1, a verification's k + 1) go that way.
-FLAT_MAX_ROWS = 8
-
 log = logging.getLogger(__name__)
 
 
@@ -126,7 +121,7 @@ class ModelRunner:
         kept this step), or None when every row is kept (see LlamaForCausalLM.forward)."""
         bs = self.block_size
         ids, pos, slots, qsl, lens, tables = [], [], [], [0], [], []
-        keep_rows, keep_qsl, keep_seqs = [], [0], []
+        keep_rows, keep_qsl, keep_seqs, all_sampled = [], [0], [], True
         for i, (seq, n) in enumerate(scheduled):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.step_token_ids(n))
@@ -136,17 +131,18 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             lens.append(end)
             tables.append(table)
-            kept = row_layout(seq, n)[2]
+            _, sampled, kept = row_layout(seq, n)
+            all_sampled &= sampled == n
             if kept:
                 keep_rows.extend(range(qsl[-1] - kept, qsl[-1]))
                 keep_qsl.append(keep_qsl[-1] + kept)
                 keep_seqs.append(i)
-        # Every row kept and none in a long run (decodes, draft verifications): each row becomes one
-        # query over its own prefix, so the step runs as decode rows (the one-call decode stack
+        # Every row sampled (decodes, draft verifications: 1 + k rows a sequence): each row becomes
+        # one query over its own prefix, so the step runs as decode rows (the one-call decode stack
         # on the CPU). Its K/V are all written before any row attends, and prefill attention gives
         # decode attention's bits row for row, so the results do not change; the step gets faster.
-        flat = len(keep_rows) == len(ids) and all(n <= FLAT_MAX_ROWS for _, n in scheduled)
-        if flat:
+        # Prompt chunks keep prefill attention, which reads a sequence's K/V once, not once a row.
+        if all_sampled:
             tables = [t for t, (_, n) in zip(tables, scheduled) for _ in range(n)]
             lens, qsl = [p + 1 for p in pos], list(range(len(ids) + 1))
         width = max(len(t) for t in tables)
@@ -158,7 +154,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             rope=self.rope,
-            decode_only=flat,
+            decode_only=all_sampled,
         )
         if len(keep_rows) < len(ids):
             sel = torch.tensor(keep_seqs, dtype=torch.long, device=dev)
