@@ -45,8 +45,10 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 def _threads_per_rank(config: EngineConfig) -> int:
-    """The worker's threads (num_threads, else every core) shared out: ranks must not oversubscribe."""
-    return max(1, (config.num_threads or os.cpu_count() or 1) // config.tensor_parallel_size)
+    """The worker's threads (num_threads, else every core it may run on: taskset and cpusets
+    count, as torch's own default does) shared out: ranks must not oversubscribe."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (config.num_threads or cores or 1) // config.tensor_parallel_size)
 
 
 class TPModelRunner(ModelRunner):

@@ -103,6 +103,20 @@ def test_engines_close_and_a_second_one_starts(tiny4):
         llm.close()
 
 
+def test_ranks_share_out_the_cores_this_process_may_run_on(tiny4):
+    """Without --num-threads, the ranks share out the cores the worker is pinned to (taskset,
+    a cpuset), not every core of the machine: pinned to one core, two ranks get a thread each,
+    and pinned to one core with one rank's share, that rank gets one thread, not os.cpu_count()."""
+    code = ("from genpool.engine.config import EngineConfig\n"
+            "from genpool.engine.tp_runner import _threads_per_rank\n"
+            f"print(_threads_per_rank(EngineConfig(model={str(tiny4)!r}, tensor_parallel_size=1)),"
+            f" _threads_per_rank(EngineConfig(model={str(tiny4)!r}, tensor_parallel_size=2)))")
+    one_core = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {one_core}))
+    assert out.stdout.split() == ["1", "1"]
+
+
 def test_cpu_kv_budget_is_the_workers_not_each_ranks(tiny4):
     """N ranks on one host hold kv_cache_memory in all: here each rank half the budget, half the
     KV heads, so as many blocks as one rank would have."""
