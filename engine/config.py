@@ -87,7 +87,7 @@ class EngineConfig:
     speculative_method: str | None = field(default=None, metadata=_opt(
         "ngram: speculative decoding, exact, with drafts looked up in each sequence's own tokens "
         "(vLLM's prompt lookup; engine/speculative.py) (default: none: only jobs that ask "
-        "(speculative=true) draft)", choices=("ngram",)))
+        "(speculative=true) draft, with the settings below)", choices=("ngram",)))
     num_speculative_tokens: int = field(default=4, metadata=_opt("tokens one draft proposes at most"))
     prompt_lookup_min: int = field(default=2, metadata=_opt("shortest suffix n-gram a draft looks up"))
     prompt_lookup_max: int = field(default=4, metadata=_opt("longest suffix n-gram a draft looks up"))
@@ -138,6 +138,13 @@ class EngineConfig:
                              "drop --quantization or use --tensor-parallel-size 1")
         if self.speculative_method not in (None, "ngram"):
             raise ValueError(f"speculative_method must be ngram or none, got {self.speculative_method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch"):
+            value = getattr(self, name)  # a float or a string here would fail every step, not this call
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch (disable_by_batch_size) must be >= 1, got "
+                             f"{self.speculative_max_batch}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max or self.num_speculative_tokens < 1:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max and "
                              f"num_speculative_tokens >= 1, got {self.prompt_lookup_min}, "
@@ -175,13 +182,12 @@ class EngineConfig:
                               huge_pages=self.huge_pages)
 
     def spec_config(self):
-        """The speculative decoding settings (engine/speculative.py); None when not configured."""
+        """The speculative decoding settings (engine/speculative.py): every job drafts by default
+        under a method; without one, only the jobs that ask (speculative=true), with these settings."""
         from genpool.engine.speculative import SpecConfig
 
-        if self.speculative_method is None:
-            return None
-        return SpecConfig(self.num_speculative_tokens, self.prompt_lookup_min,
-                          self.prompt_lookup_max, self.speculative_max_batch)
+        return SpecConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
+                          self.speculative_max_batch, default_on=self.speculative_method is not None)
 
     def resolved_device(self) -> str:
         """The device the engine runs on: "auto" becomes "cuda" when torch sees a GPU, else "cpu"."""

@@ -13,6 +13,12 @@ SPEC_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_spec
 
 
 def speculative_fields(spec: dict) -> dict:
+    """vLLM's speculative_config as EngineConfig fields (their values are checked there)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
+                         f"'num_speculative_tokens': 4}}, got {spec!r}")
+    if spec and "method" not in spec:  # as vLLM: settings without a method would silently do nothing
+        raise ValueError("speculative_config needs a method: {'method': 'ngram', ...}")
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
         raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} (known: "
@@ -24,7 +30,7 @@ class LLM:
     def __init__(self, model: str, speculative_config: dict | None = None, **kwargs):
         """`speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}."""
-        kwargs.update(speculative_fields(speculative_config or {}))
+        kwargs.update(speculative_fields({} if speculative_config is None else speculative_config))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 

@@ -38,6 +38,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     max_batch: int = 4  # running sequences above which no sequence drafts (benchmarks: 4 gains, 8 loses)
+    default_on: bool = False  # jobs that do not say (speculative=None) draft too: the engine has a method
 
 
 def propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -90,18 +91,18 @@ def eligible(seq) -> bool:
 class Speculator:
     """The engine's side: drafts before the scheduler runs, verification after the model ran."""
 
-    def __init__(self, config: SpecConfig | None, max_model_len: int):
+    def __init__(self, config: SpecConfig, max_model_len: int):
         self.config, self.max_model_len = config, max_model_len
         self.drafted = self.accepted = 0  # tokens, for stats
 
     def draft(self, running: list) -> None:
         """Give each eligible running sequence its draft for the coming step (or none). A job
         asks for drafts with SamplingParams.speculative=True, or gets them by default when the
-        engine has a speculative config; none while the batch is over max_batch."""
-        cfg = self.config or SpecConfig()
+        engine has a method (default_on); none while the batch is over max_batch."""
+        cfg = self.config
         crowded = len(running) > cfg.max_batch
         for seq in running:
-            wanted = seq.params.speculative or (seq.params.speculative is None and self.config)
+            wanted = seq.params.speculative or (seq.params.speculative is None and cfg.default_on)
             if crowded or not wanted or not eligible(seq):
                 seq.draft = []
                 continue

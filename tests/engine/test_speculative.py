@@ -83,6 +83,41 @@ def test_drafts_off_per_job_and_for_large_batches(tiny_llama_path):
     assert one == _generate(tiny_llama_path, PROMPTS[:1], params)[0]
 
 
+def test_an_opted_in_job_drafts_with_the_engines_settings_without_a_method(tiny_llama_path):
+    """Without a method only jobs that ask draft, and they draft as the engine's settings say
+    (here 1 token at most), not with the built-in defaults."""
+    seen = []
+    with LLM(str(tiny_llama_path), num_kv_blocks=64, num_speculative_tokens=1, speculative_max_batch=16) as llm:
+        speculator = llm.llm_engine.speculator
+        draft = speculator.draft
+
+        def recording(running):
+            draft(running)
+            seen.extend(len(seq.draft) for seq in running)
+        speculator.draft = recording
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=True))
+    assert speculator.drafted > 0 and max(seen) == 1
+
+
+@pytest.mark.parametrize("spec, names", [
+    ({"method": "ngram", "disable_by_batch_size": "8"}, "speculative_max_batch"),
+    ({"method": "ngram", "disable_by_batch_size": None}, "speculative_max_batch"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "speculative_max_batch"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_max": 2.5}, "prompt_lookup_max"),
+    ({"num_speculative_tokens": 8}, "method"),
+    ("ngram", "speculative_config must be a dict"),
+    (["ngram"], "speculative_config must be a dict"),
+])
+def test_a_bad_speculative_config_is_refused_before_the_model_loads(tiny_llama_path, spec, names):
+    """A value of the wrong type or out of range fails at construction with its name, instead
+    of failing every later step (a string batch limit broke even jobs that opted out)."""
+    with pytest.raises(ValueError, match=names):
+        LLM(str(tiny_llama_path), speculative_config=spec)
+
+
 def test_seeded_sampling_is_identical_with_drafts(tiny_llama_path):
     """Each row's token is the sampler's own keyed draw: seeded outputs do not change."""
     params = SamplingParams(temperature=0.3, top_p=0.9, seed=5, max_tokens=50, ignore_eos=True, n=2)

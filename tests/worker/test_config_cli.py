@@ -56,7 +56,7 @@ def test_every_engine_flag_reaches_its_field():
     spec = EngineConfig(model=s.model, **engine_kwargs(s)).spec_config()
     assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
             spec.max_batch) == (6, 1, 5, 2)
-    assert EngineConfig(model="m").spec_config() is None  # off unless asked
+    assert not EngineConfig(model="m").spec_config().default_on  # only jobs that ask, unless a method
 
 
 def test_defaults_are_the_dataclass_defaults():
