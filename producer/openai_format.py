@@ -57,11 +57,13 @@ ERROR_STATUS = {
 
 
 # An absolute filesystem path (POSIX or Windows) inside a message: never shown to HTTP callers.
-_PATH_RE = re.compile(r"(?:[A-Za-z]:\\|~?/)(?:[^\s'\"/\\]+[/\\])+[^\s'\",;:)]*")
+# This API's own endpoints (a batch line's error names them) match first and stay as they are.
+_PATH_RE = re.compile(r"(/v1/(?:chat/completions|completions|embeddings|batches|files|models)(?![\w/.]))"
+                      r"|(?:[A-Za-z]:\\|~?/)(?:[^\s'\"/\\]+[/\\])+[^\s'\",;:)]*")
 
 
 def scrub_paths(text: str) -> str:
-    return _PATH_RE.sub("<path>", text)
+    return _PATH_RE.sub(lambda m: m.group(1) or "<path>", text)
 
 
 class APIError(Exception):

@@ -98,6 +98,13 @@ def test_models_never_show_filesystem_paths(gateway, redis_url):
         "model <path> is not served; unix socket <path>"
 
 
+def test_the_apis_own_endpoints_are_not_taken_for_file_paths():
+    """A batch line's error names the endpoints it mixed up; they are this API's, not files."""
+    msg = "url /v1/completions is not this batch's endpoint /v1/chat/completions"
+    assert scrub_paths(msg) == msg
+    assert scrub_paths("weights at /srv/v1/chat.bin") == "weights at <path>"
+
+
 def listening_addresses(port: int) -> set[str]:
     """Local addresses with a TCP socket listening on `port` (from /proc/net/tcp{,6})."""
     out = set()
