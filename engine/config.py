@@ -5,6 +5,7 @@ their engine options from these fields (engine/config_args.py), so a new field i
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -28,6 +29,12 @@ QUANTIZATIONS = ("int8", "gguf", "awq")  # engine/models/quant.py loads each
 
 def _opt(help: str, **extra) -> dict:
     return {"help": help, **extra}
+
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: taskset and cpusets count, as os.cpu_count() does not."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass

@@ -17,7 +17,7 @@ def speculative_fields(spec: dict) -> dict:
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
                          f"'num_speculative_tokens': 4}}, got {spec!r}")
-    if spec and "method" not in spec:  # as vLLM: settings without a method would silently do nothing
+    if spec and spec.get("method") is None:  # vLLM refuses it too
         raise ValueError("speculative_config needs a method: {'method': 'ngram', ...}")
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:

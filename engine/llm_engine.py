@@ -13,7 +13,7 @@ from genpool.engine import isolation, limits, request_checks, step_logits
 from genpool.engine import resume as resume_mod
 from genpool.engine import stats as stats_mod
 from genpool.engine.block_manager import BlockManager
-from genpool.engine.config import EngineConfig
+from genpool.engine.config import EngineConfig, usable_cores
 from genpool.engine.cpu_alloc import trim_heap
 from genpool.engine.identity import ModelIdentity, model_identity
 from genpool.engine.output_processor import OutputProcessor
@@ -40,8 +40,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config = dataclasses.replace(config, device=config.resolved_device())  # "auto" decided once
         self.config = config
-        if config.num_threads and config.device == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":  # more threads than usable cores only take turns on them
+            threads = config.num_threads or min(torch.get_num_threads(), usable_cores())
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         self.startup = StartLog()
         self._load_model(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,

@@ -34,11 +34,12 @@ from .sampler import Sampler, SampleRow
 
 @dataclass(frozen=True)
 class SpecConfig:
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    max_batch: int = 4  # running sequences above which no sequence drafts (benchmarks: 4 gains, 8 loses)
-    default_on: bool = False  # jobs that do not say (speculative=None) draft too: the engine has a method
+    """EngineConfig.spec_config(): the defaults and their reasons live on EngineConfig's fields."""
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    max_batch: int  # running sequences above which no sequence drafts
+    default_on: bool  # jobs that do not say (speculative=None) draft too: the engine has a method
 
 
 def propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:

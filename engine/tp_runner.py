@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from genpool.engine.config import EngineConfig
+from genpool.engine.config import EngineConfig, usable_cores
 from genpool.engine.cpu_alloc import default_kv_budget
 from genpool.engine.distributed import STOP, Comm, StepChannel, die, init_group, watch
 from genpool.engine.model_runner import ModelRunner
@@ -46,9 +46,8 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 def _threads_per_rank(config: EngineConfig) -> int:
     """The worker's threads (num_threads, else every core it may run on: taskset and cpusets
-    count, as torch's own default does) shared out: ranks must not oversubscribe."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (config.num_threads or cores or 1) // config.tensor_parallel_size)
+    count) shared out: ranks must not oversubscribe."""
+    return max(1, (config.num_threads or usable_cores()) // config.tensor_parallel_size)
 
 
 class TPModelRunner(ModelRunner):

@@ -57,8 +57,10 @@ ERROR_STATUS = {
 
 
 # An absolute filesystem path (POSIX or Windows) inside a message: never shown to HTTP callers.
-# This API's own endpoints (a batch line's error names them) match first and stay as they are.
-_PATH_RE = re.compile(r"(/v1/(?:chat/completions|completions|embeddings|batches|files|models)(?![\w/.]))"
+# This API's own endpoints (a batch line's error names them) match first and stay as they are,
+# where the text or a delimiter follows them (else they begin a path: /v1/models-7b/config.json).
+API_PATHS = (*ENDPOINTS, "/v1/embeddings", "/v1/batches", "/v1/files", "/v1/models")
+_PATH_RE = re.compile(r"(" + "|".join(map(re.escape, API_PATHS)) + r")(?=$|[\s'\",;:)]|\.(?!\w))"
                       r"|(?:[A-Za-z]:\\|~?/)(?:[^\s'\"/\\]+[/\\])+[^\s'\",;:)]*")
 
 

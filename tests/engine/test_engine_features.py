@@ -149,3 +149,22 @@ def test_shared_prefix_memory_at_most_45_percent(tiny_llama_path):
     print(f"50 requests, 500-token shared prefix: peak KV blocks {on} with prefix caching, "
           f"{off} without ({on / off:.1%})")
     assert on <= 0.45 * off
+
+
+def test_a_cpu_engine_pinned_to_fewer_cores_runs_that_many_threads(tiny_llama_path):
+    """Without num_threads the engine never runs more threads than the cores it may run on
+    (taskset, a cpuset): a thread count above them, as a torch whose default counts every core
+    would give, comes down to the pinned cores."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "torch.set_num_threads(2)\n"
+            "from genpool.engine import LLM\n"
+            f"llm = LLM({str(tiny_llama_path)!r}, device='cpu', num_kv_blocks=16)\n"
+            "print(torch.get_num_threads())\n")
+    one_core = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {one_core}))
+    assert out.stdout.split()[-1] == "1"

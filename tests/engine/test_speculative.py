@@ -108,6 +108,7 @@ def test_an_opted_in_job_drafts_with_the_engines_settings_without_a_method(tiny_
     ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_max": 2.5}, "prompt_lookup_max"),
     ({"num_speculative_tokens": 8}, "method"),
+    ({"method": None, "num_speculative_tokens": 8}, "method"),
     ("ngram", "speculative_config must be a dict"),
     (["ngram"], "speculative_config must be a dict"),
 ])

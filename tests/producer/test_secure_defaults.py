@@ -103,6 +103,9 @@ def test_the_apis_own_endpoints_are_not_taken_for_file_paths():
     msg = "url /v1/completions is not this batch's endpoint /v1/chat/completions"
     assert scrub_paths(msg) == msg
     assert scrub_paths("weights at /srv/v1/chat.bin") == "weights at <path>"
+    assert scrub_paths("no /v1/models-7b/config.json here") == "no <path> here"
+    assert scrub_paths("see /v1/batches/x/y.") == "see <path>"
+    assert scrub_paths("POST /v1/completions.") == "POST /v1/completions."
 
 
 def listening_addresses(port: int) -> set[str]:
