@@ -38,14 +38,22 @@ class StructuredOutputs(BaseModel):
                              f"json_object=true (got {', '.join(given) or 'none'})")
         if self.choice is not None and any(c == "" for c in self.choice):
             raise ValueError("choice strings must be non-empty")
+        # A RecursionError is no ValueError: pydantic would pass it through, out of the worker's
+        # per-job handling, so too deep a schema becomes this job's error here.
         if isinstance(self.json_schema, str):
             try:
                 parsed = json.loads(self.json_schema)
             except ValueError as e:
                 raise ValueError(f"json is not valid JSON text: {e}") from None
+            except RecursionError:
+                raise ValueError("json is nested too deeply") from None
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError("json must be a JSON schema object")
-        if len(self.spec()[1]) > MAX_CONSTRAINT_CHARS:
+        try:
+            text = self.spec()[1]
+        except RecursionError:
+            raise ValueError("the constraint is nested too deeply") from None
+        if len(text) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"the constraint is over {MAX_CONSTRAINT_CHARS} characters")
         return self
 

@@ -73,6 +73,8 @@ def _validate(entry: Entry, obj, served_models: frozenset[str]) -> Job:
         req = JobRequest.model_validate(obj)
     except ValidationError as e:
         return _fail(entry, job_id, "invalid_request", describe_validation_error(e))
+    except RecursionError:  # a validator's own parsing of a nested field: this job's error, not the worker's
+        return _fail(entry, job_id, "invalid_request", "job is nested too deeply")
     if req.model is not None and req.model not in served_models:
         return _fail(entry, job_id, "unknown_model",
                      f"model {req.model!r} is not served here; this pool serves "

@@ -53,6 +53,16 @@ def test_unrecoverable_entries_are_dead_lettered():
     assert "bytes; the limit is" in parse(big).error.message
 
 
+def test_a_constraint_nested_too_deeply_is_that_jobs_error():
+    """A schema given as JSON text nested past the parser's recursion limit is the job's
+    invalid_request, not an exception that stops the worker (a RecursionError is no ValueError,
+    so pydantic passed it through)."""
+    text = json.dumps({"id": "d1", "prompt": "x", "structured_outputs": {"json": "[" * 5000}}).encode()
+    p = parse(text)
+    assert not p.ok and p.job_id == "d1" and p.error.code == "invalid_request"
+    assert "nested too deeply" in p.error.message
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids,
