@@ -220,9 +220,12 @@ class LLMEngine:
         logits, drafts = self._run(sched)
         if len(sched.scheduled) != n:  # fault isolation narrowed the batch: renumber mask rows
             masks = self.structured.start_masks(sched.sampling)
+        # logprobs are the model's raw distribution: a constrained row that reports them keeps
+        # its logits from before the mask (which would make every other token -inf)
+        raw = logits.clone() if masks is not None and any(s.params.logprobs is not None for s in masks.seqs) else None
         for rid, message in self.structured.apply_masks(masks, logits):
             self._fail(rid, RequestError("invalid_request", message))
-        sampled = self.sampling.sample(logits, sched.sampling, drafts)
+        sampled = self.sampling.sample(logits, sched.sampling, drafts, raw)
         applied = self.scheduler.update(sched, sampled)
         outputs.extend(self.output.outputs(applied))
         outputs.extend(self.sampling.end_unsampled(sched.sampling))

@@ -41,21 +41,26 @@ class SampleStage:
     fail_step: Callable[[Sequence, Exception], None]  # LLMEngine._fail_step
 
     def sample(self, logits: torch.Tensor, sampling: list[Sequence],
-               drafts: dict[Sequence, torch.Tensor]) -> list[SampledToken]:
+               drafts: dict[Sequence, torch.Tensor], raw: torch.Tensor | None = None) -> list[SampledToken]:
+        """`raw`: the logits before structured outputs' masks, for logprobs (None: `logits`)."""
         # max_tokens=0: nothing to sample (end_unsampled); a draft: verified by the speculator
         keep = [i for i, s in enumerate(sampling) if s.params.max_tokens != 0 and s not in drafts]
         if len(keep) != len(sampling):
             logits, sampling = logits[keep], [sampling[i] for i in keep]
+            raw = raw[keep] if raw is not None else None
         verified = self.speculator.verify(self.sampler, drafts, self.row, self.fail_step)
-        return self._sample_rows(logits, sampling) + verified
+        return self._sample_rows(logits, sampling, raw) + verified
 
-    def _sample_rows(self, logits: torch.Tensor, sampling: list[Sequence]) -> list[SampledToken]:
+    def _sample_rows(self, logits: torch.Tensor, sampling: list[Sequence],
+                     raw: torch.Tensor | None) -> list[SampledToken]:
         rows, seqs, parents = self._expand_forks(sampling)
         if not seqs:
             return []
         if len(rows) != logits.shape[0]:  # forks sample from their parent's row
-            logits = logits.index_select(0, torch.tensor(rows))
-        tokens, lps = self.sampler(logits, [self.row(s) for s in seqs])
+            index = torch.tensor(rows)
+            logits = logits.index_select(0, index)
+            raw = raw.index_select(0, index) if raw is not None else None
+        tokens, lps = self.sampler(logits, [self.row(s) for s in seqs], raw)
         for i, err in self.sampler.row_errors.items():  # non-finite rows: that request alone
             self.fail(seqs[i].request_id, err)
         for rid, message in self.structured.accept(seqs, tokens):  # each matcher takes its token

@@ -141,8 +141,9 @@ class Sampler:
         # row index -> why it got no token (FAILED), for the last call only
         self.row_errors: dict[int, RequestError] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], raw: torch.Tensor | None = None
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """`raw`: the same rows before structured outputs' masks; logprobs come from it."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
@@ -162,7 +163,7 @@ class Sampler:
         for i, row in enumerate(rows):
             if i not in plain_set:
                 tokens[i] = self._guarded_row(i, logits[i], row)
-        return tokens, self._logprobs(logits, rows, tokens)
+        return tokens, self._logprobs(logits if raw is None else raw.float(), rows, tokens)
 
     def _fail(self, i: int, error: RequestError) -> int:
         self.row_errors[i] = error

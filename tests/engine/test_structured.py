@@ -78,6 +78,22 @@ def test_regex_choice_and_grammars(llm):
             assert ok(out.outputs[0].text), (so, out.outputs[0].text)
 
 
+def test_logprobs_of_a_constrained_job_are_the_models_raw_distribution(llm):
+    """logprobs are the model's raw distribution (docs/protocol.md) for constrained jobs too: the
+    first token's top 20 equal an unconstrained job's on the same prompt, all finite (the
+    grammar's mask made them -inf, which JSON cannot carry: readers and takeovers choked on null)."""
+    q = chat_ids(llm, [{"role": "user", "content": "Is the sky green? Answer yes or no."}])
+    free, bound = llm.generate([q, q], [
+        SamplingParams(temperature=0, max_tokens=1, logprobs=20),
+        SamplingParams(temperature=0, max_tokens=4, logprobs=20, structured_outputs={"choice": ["maybe", "perhaps"]})])
+    assert bound.error is None and bound.outputs[0].text in ("maybe", "perhaps")
+    first_free, first_bound = free.outputs[0].logprobs[0], bound.outputs[0].logprobs[0]
+    def top20(d: dict) -> dict:
+        return dict(sorted(d.items(), key=lambda kv: -kv[1])[:20])
+    assert top20(first_bound) == pytest.approx(top20(first_free))
+    assert all(v > float("-inf") for lp in bound.outputs[0].logprobs for v in lp.values())
+
+
 def test_n_samples_stop_strings_and_max_tokens(llm):
     case = make_cases(1, seed=11)[0]
     so = {"json": case.schema}
