@@ -92,7 +92,12 @@ def plan(entries, n: int, identity: ModelIdentity) -> Takeover:
             return Takeover(restart=f"its event log is incomplete (entry {expected} is "
                                     f"missing): rerun from the start")
         expected += 1
-        ev = parse_event(fields["event"])
+        try:
+            ev = parse_event(fields["event"])
+        except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
+            # another writer's garbage must not fail this worker's admission: the job reruns
+            return Takeover(restart=f"its event log has an unreadable entry ({expected - 1}): "
+                                    f"rerun from the start")
         if isinstance(ev, RestartEvent):
             log = _Log()
         elif isinstance(ev, TokenEvent):

@@ -118,3 +118,13 @@ def test_quantized_products_computed_another_way_restart():
     assert t.resume is None and "products 'amx' != 'vnni'" in t.restart
     assert amx.key != dots.key and ModelIdentity.from_dict(amx.to_dict()) == amx
     assert plan(log(tok(0, "a", [1], first=True, identity=amx)), 1, amx).resume is not None
+
+
+def test_an_unreadable_entry_restarts_the_job_instead_of_failing_the_taker():
+    """A peer's (or anyone's) entry in the log that does not parse (garbage, a missing event,
+    a logprob written as null) makes the taker rerun the job, never raise out of admission."""
+    good = log(tok(0, "ab", [1, 2], first=True))
+    for bad in ({b"event": b"{not json", b"seq": b"2"}, {b"seq": b"2"},
+                {b"event": b'{"type":"token","token_ids":[3],"logprobs":[{"3":null}]}', b"seq": b"2"}):
+        t = plan(good + [("1001-0", bad)], 1, ME)
+        assert t.resume is None and "unreadable" in t.restart, bad
