@@ -240,3 +240,26 @@ def test_property_stop_string(tok, text, stop, include):
     else:
         assert found == stop
         assert "".join(pieces) == text[: pos + (len(stop) if include else 0)]
+
+
+def _pending(text: str, stops: list[str]) -> int:
+    """The longest suffix of text that is a proper prefix of a stop string (held back)."""
+    return max((n for n in range(1, len(text) + 1) for s in stops
+                if n < len(s) and s.startswith(text[-n:])), default=0)
+
+
+@PROPERTY
+@given(text=st.text(alphabet="ab #", max_size=40),
+       stops=st.lists(st.text(alphabet="ab #", min_size=1, max_size=9), min_size=1, max_size=4))
+def test_property_emits_all_but_the_pending_stop_prefix(tok, text, stops):
+    """After each token the emitted text is the decoded text less exactly its longest suffix that
+    could still become a stop string: held back no more and no less (the held length is tracked
+    from the previous one, not rescanned over the longest stop's length every token)."""
+    ids = byte_ids(tok, text.encode())
+    d = IncrementalDetokenizer(tok, [], stop=stops)
+    for i, t in enumerate(ids):
+        _, found = d.add([t])
+        if found:
+            break
+        seen = text[:i + 1]
+        assert d.text == seen[:len(seen) - _pending(seen, stops)]
