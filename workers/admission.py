@@ -70,6 +70,10 @@ def prepare(engine, job: Job, tokenizer=None, max_chars: Optional[int] = None) -
     if max_chars is not None and chars > max_chars:
         return _refuse(job, f"prompt is {chars} characters, more than the model's limit of "
                             f"{engine.max_model_len} tokens can hold")
+    ids = req.prompt_token_ids  # refused here, before routing hashes its blocks: a 1M-id list held the loop
+    if ids is not None and len(ids) >= engine.max_model_len:
+        return _refuse(job, f"prompt is {len(ids)} tokens; the model's limit is {engine.max_model_len} "
+                            f"including at least one generated token")
     try:
         job.prompt = to_engine_prompt(engine, req, tokenizer)
     except Exception as exc:  # noqa: BLE001 - e.g. a chat template refusing the roles

@@ -202,3 +202,14 @@ def test_a_dead_letter_tells_the_reader_only_when_there_is_one():
     assert t.ops(junk) == [("dead", ())]  # no id: only the dead-letter stream hears of it
     assert t.ops(charged) == [("final", ("dead",))]  # its reader gets dead_lettered
     assert [o.end for o in (ACK, LOST, RELEASED)] == [End.ACK, End.LOST, End.RELEASED]
+
+
+def test_a_token_id_prompt_longer_than_the_model_is_refused_at_admission():
+    """A prompt of token ids the model cannot hold is refused before routing hashes its blocks
+    and the engine walks it (a 1M-id prompt held the loop thread), as a text prompt over its
+    character bound already was."""
+    t = Table()
+    job = t.claimed(prompt=None, prompt_token_ids=[5] * (t.engine.max_model_len + 1))
+    assert job.error is not None and job.error.code == "invalid_request"
+    assert f"prompt is {t.engine.max_model_len + 1} tokens" in job.error.message
+    assert t.claimed(prompt=None, prompt_token_ids=[5] * 8).error is None
