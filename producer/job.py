@@ -90,8 +90,12 @@ class Job:
                 watch.redis_failed(e)
                 resp = None
                 time.sleep(next(delays))
+            if resp:
+                watch.saw_events()  # a worker writes them: serving, even while it drains
             for entry_id, ev in read_events(resp, gaps):
                 last = entry_id or last
+                if ev is None:  # an entry to skip (protocol.decode_event)
+                    continue
                 yield ev
                 if ev.type in TERMINAL:
                     return

@@ -1,6 +1,7 @@
 """Producer-side protocol pieces shared by the sync and async clients (no I/O here)."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Iterator, Optional, Union
 
@@ -73,24 +74,57 @@ def cancel_broadcast(job_id: str) -> dict:
 
 
 def decode_event(fields) -> Any:
+    """An entry's event, or None for one a reader skips: an unknown type (a later worker may add
+    types, as it may add fields), or an entry no worker of this version writes (garbage, no event,
+    a null where a number belongs) unless it claims to end the job. The result comes whole at the
+    end, so a skipped token loses nothing from `result()`. A result or error that does not parse
+    is the job's `internal` error. Never an exception out of a reader: the gateway answered a
+    500, and a batch holding the job could never finish."""
     if isinstance(fields, list):  # redis-py's cluster MULTI leaves stream replies unparsed
         fields = dict(zip(fields[0::2], fields[1::2]))
-    return _parse_event(fields["event"])
+    raw = fields.get("event")
+    try:
+        return _parse_event(raw)
+    except (TypeError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        return unreadable(e) if _claimed_type(raw) in TERMINAL_TYPES else None
+
+
+TERMINAL_TYPES = ("result", "error")
+
+
+def _claimed_type(raw) -> Optional[str]:
+    try:
+        kind = json.loads(raw).get("type")
+    except (TypeError, ValueError, AttributeError, RecursionError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def unreadable(error: Exception) -> ErrorEvent:
+    """The job's error for an ending that cannot be read."""
+    lines = str(error).splitlines() or [""]
+    return ErrorEvent(code="internal", message=f"the job's end cannot be read ({type(error).__name__}: "
+                                               f"{lines[0][:200]})")
 
 
 def events_in(xread_reply) -> Iterator[tuple[str, Any]]:
     """(entry id, decoded event) for every entry of an XREAD reply (None when it timed out)."""
     for _, entries in xread_reply or []:
         for entry_id, fields in entries:
-            yield entry_id, decode_event(fields)
+            ev = decode_event(fields)
+            if ev is not None:  # skipped (decode_event)
+                yield entry_id, ev
 
 
 def terminal_from_hash(result: Optional[str], error: Optional[str]
                        ) -> Optional[Union[ResultEvent, ErrorEvent]]:
-    if result:
-        return ResultEvent.model_validate_json(result)
-    if error:
-        return ErrorEvent.model_validate_json(error)
+    try:
+        if result:
+            return ResultEvent.model_validate_json(result)
+        if error:
+            return ErrorEvent.model_validate_json(error)
+    except ValueError as e:  # the job ended, but how cannot be read: its error, not the reader's exception
+        return unreadable(e)
     return None
 
 
@@ -100,4 +134,4 @@ def last_terminal(xrevrange_reply) -> Optional[Union[ResultEvent, ErrorEvent]]:
     if not xrevrange_reply:
         return None
     ev = decode_event(xrevrange_reply[0][1])
-    return ev if ev.type in ("result", "error") else None
+    return ev if ev is not None and ev.type in ("result", "error") else None

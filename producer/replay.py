@@ -153,9 +153,10 @@ class Gaps:
         return gap
 
 
-def read_events(xread_reply, gaps: Gaps) -> Iterator[tuple[Optional[str], AnyEvent]]:
+def read_events(xread_reply, gaps: Gaps) -> Iterator[tuple[Optional[str], Optional[AnyEvent]]]:
     """(entry id, event) for every entry of an XREAD reply, with (None, TrimmedEvent) in front
-    of an entry whose number says events before it were trimmed unread."""
+    of an entry whose number says events before it were trimmed unread; (entry id, None) for an
+    entry to skip (protocol.decode_event), so that the reader still moves past it."""
     for _, entries in xread_reply or []:
         for entry_id, fields in entries:
             gap = gaps.check(fields)

@@ -54,11 +54,18 @@ class Watch:
 
     def saw_workers(self, n_serving: int) -> None:
         now = time.monotonic()
-        self.next_check, self.last_check = now + CHECK_S, now
+        # a wait bounded only by no_worker_s (the gateway's 60 s) looks less often: every open
+        # request's look reads the workers hash and each heartbeat
+        every = CHECK_S if self.deadline is not None or self.no_worker_s is None else max(CHECK_S, self.no_worker_s / 10)
+        self.next_check, self.last_check = now + every, now
         if n_serving:
             self.unserved_since = None
         elif self.unserved_since is None:
             self.unserved_since = now
+
+    def saw_events(self) -> None:
+        """Entries arrived: someone serves the job (a draining worker is no longer listed)."""
+        self.unserved_since = None
 
     def redis_ok(self) -> None:
         if self.failures >= 2:

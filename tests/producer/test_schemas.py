@@ -131,3 +131,29 @@ def test_producer_and_schemas_import_without_torch():
     code = ("import sys; import genpool.producer, genpool.schemas, genpool.producer.cli, genpool.producer.aio; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-P", "-c", code], cwd=ROOT, check=True)
+
+
+def test_an_unreadable_ending_is_the_jobs_error_and_other_unreadable_entries_are_skipped():
+    """What a reader makes of entries no worker of this version writes. A result or error that
+    does not parse (on the stream or in the job's hash) is the job's `internal` error; anything
+    else it cannot use (garbage, no event, a null where a number belongs, a type it does not
+    know) is skipped, the reader moving past it. Never an exception out of a reader (the gateway
+    answered a 500, a batch could never finish)."""
+    from genpool.producer.protocol import decode_event, events_in, last_terminal, terminal_from_hash
+    from genpool.producer.replay import Gaps, read_events
+
+    for fields in ({"event": "{not json"}, {"seq": "3"}, {"event": '{"type":"telemetry","x":1}'},
+                   {"event": '{"type":"token","token_ids":[3],"logprobs":[{"3":null}]}'}):
+        assert decode_event(fields) is None, fields
+    for ending in ('{"type":"result","text":null}', '{"type":"error","code":"bogus","message":"m"}'):
+        ev = decode_event({"event": ending})
+        assert isinstance(ev, ErrorEvent) and ev.code == "internal" and "cannot be read" in ev.message
+        assert last_terminal([("9-0", {"event": ending})]).code == "internal"
+    token = TokenEvent(text="a", token_ids=[1]).model_dump_json()
+    reply = [("s", [("1-0", {"event": "{not json"}), ("2-0", {"event": token})])]
+    assert [ev.type for _, ev in events_in(reply)] == ["token"]
+    assert [(i, ev and ev.type) for i, ev in read_events(reply, Gaps("0-0"))] == [("1-0", None), ("2-0", "token")]
+    assert last_terminal([("1-0", {"event": '{"type":"telemetry"}'})]) is None
+    for stored in ('{"type":"result","text":null}', '{"type":"zzz"}', "garbage"):
+        bad = terminal_from_hash(stored, None)
+        assert isinstance(bad, ErrorEvent) and bad.code == "internal", stored
