@@ -61,6 +61,8 @@ def line_object(raw: Union[str, bytes]) -> Union[dict, str]:
         obj = json.loads(raw.strip())
     except (ValueError, UnicodeDecodeError) as e:
         return f"not valid JSON ({e})"
+    except RecursionError:
+        return "not valid JSON (nested too deeply)"
     if not isinstance(obj, dict):
         return "not a JSON object"
     cid = obj.get("custom_id")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ from .openai_format import APIError
 
 if TYPE_CHECKING:
     from .batch_driver import BatchDriver
+
+log = logging.getLogger(__name__)
 
 CHUNK = 500
 SCAN = 4  # a feed looks at this many times its room for lines that may go now
@@ -62,6 +65,12 @@ async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
         except APIError as e:
             await d.answer(bid, obj["custom_id"], n, False,
                            bl.http_error(jid, obj["custom_id"], e), "", ttl)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a line the checks missed fails alone, logged,
+            # instead of failing the expansion, which the next tick would retry forever
+            log.exception("batch %s line %d could not be read", bid, n)
+            e = APIError(500, f"this line could not be read ({type(exc).__name__})", "server_error")
+            await d.answer(bid, obj["custom_id"], n, False, bl.http_error(jid, obj["custom_id"], e), "", ttl)
             continue
         lead_id, lead_n = leads.setdefault(prefix_key(req.kwargs), (jid, n))
         lead = None if lead_id == jid else lead_id

@@ -126,6 +126,8 @@ def render_call(call: Any, i: int, where: str = "messages") -> str:
         args = json.loads(args) if isinstance(args, str) else args
     except ValueError:
         raise ToolError(f"tool_calls[{i}].function.arguments is not JSON", where) from None
+    except RecursionError:  # deep JSON inside a short string: no ValueError, and no 500 either
+        raise ToolError(f"tool_calls[{i}].function.arguments is nested too deeply", where) from None
     return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
 
 
@@ -140,6 +142,9 @@ def render_messages(messages: list, tools: Optional[Tools]) -> list:
             where = f"messages.{i}.tool_calls"
             if not isinstance(calls, list):
                 raise ToolError(f"messages[{i}]: tool_calls must be a list", where)
+            if not isinstance(m.get("content"), (str, type(None))):
+                raise ToolError(f"messages[{i}]: content beside tool_calls must be a string or null",
+                                f"messages.{i}.content")
             written = [render_call(c, j, where) for j, c in enumerate(calls)]
             out[i] = {"role": "assistant",
                       "content": "\n".join(filter(None, [m.get("content"), *written]))}

@@ -189,6 +189,11 @@ def test_parse_line_sorts_lines():
     assert bad.error["param"] == "temperature" and bad.error["line"] == 2
     assert isinstance(parse_line(b"[1, 2]", 3, "f00d", None, 1), str)
     assert isinstance(parse_line(b'{"method": "POST"}', 4, "f00d", None, 1), str)
+    assert "nested too deeply" in parse_line(b"[" * 100_000, 5, "f00d", None, 1)  # not a RecursionError
+    tool_line = valid_line(7)
+    tool_line["body"]["messages"].append({"role": "assistant", "content": 5,
+                                          "tool_calls": [{"function": {"name": "f"}}]})
+    assert parse_line(json.dumps(tool_line).encode(), 6, "f00d", None, 1).error["line"] == 6  # a line error
 
 
 @pytest.mark.parametrize("errors_out", [False, True], ids=["failures-in-output", "errors-out"])

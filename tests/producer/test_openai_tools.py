@@ -74,6 +74,19 @@ def test_bad_tools_are_400s_naming_the_tool(tools, choice, param):
         assert e.value.param == param
 
 
+@pytest.mark.parametrize("message, param", [
+    ({"role": "assistant", "content": 5, "tool_calls": [{"function": {"name": "f"}}]}, "messages.1.content"),
+    ({"role": "assistant", "content": "x",
+      "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}]}, "messages.1.tool_calls"),
+])
+def test_a_bad_assistant_tool_call_message_is_a_400(message, param):
+    """Content that is no string beside tool calls, or arguments nested past the JSON parser's
+    limit (a short, flat body: the depth is inside a string), are the request's 400, not a 500."""
+    with pytest.raises(APIError) as e:
+        parse_body("chat", {"model": "m", "messages": [*ASK, message]})
+    assert e.value.status == 400 and e.value.param == param
+
+
 def test_answers_become_tool_calls():
     content, calls = openai_tools.hermes('Let me check. <tool_call>\n{"name": "get_weather", '
                                          '"arguments": {"city": "Oslo"}}\n</tool_call>')
