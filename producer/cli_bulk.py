@@ -103,6 +103,9 @@ def register_gateway(sub) -> None:
                         "any worker)")
     p.add_argument("--no-worker-grace", type=float, default=5.0, metavar="SECONDS",
                    help="answer 503 no_workers when no live worker serves the model for this long")
+    p.add_argument("--no-worker-wait", type=float, default=60.0, metavar="SECONDS",  # gateway.NO_WORKER_WAIT_S
+                   help="a request already queued answers 503 no_workers (its job cancelled) when "
+                        "no live worker has served its model this long (default: %(default)s)")
     p.add_argument("--queue-without-workers", action="store_true",
                    help="queue requests even when no worker serves their model (they wait)")
     _gateway_limits(p)
@@ -179,7 +182,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     try:
         app = create_app(a.redis, a.prefix, api_keys=keys, max_queue_depth=a.max_queue_depth,
                          priority=a.priority, default_model=a.model,
-                         no_worker_grace_s=a.no_worker_grace,
+                         no_worker_grace_s=a.no_worker_grace, no_worker_wait_s=a.no_worker_wait,
                          queue_without_workers=a.queue_without_workers, max_open=a.max_open,
                          max_open_per_client=a.max_open_per_client,
                          idle_timeout_s=a.idle_timeout, stored_keys=a.stored_keys,

@@ -26,11 +26,13 @@ from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
 from genpool.schemas.tenants import known_sub_streams, queue_known
 
 from .aio import AsyncClient
+from .errors import NoWorkers
 from .gateway_io import (
     ClientGone,
     ClosingStream,
     OpenRequests,
     install_error_handlers,
+    no_workers_error,
     read_json,
     until_disconnect,
 )
@@ -53,6 +55,9 @@ CHECK_THREADS = 2
 # Completion requests in flight (streamed or not): in all (each streamed one holds a Redis
 # connection in XREAD BLOCK, so keep it under max_connections), and per client.
 MAX_OPEN, MAX_OPEN_PER_CLIENT = 512, 32
+# a request already queued answers 503 no_workers when no live worker has served its model this
+# long (a worker that restarts is gone for its model's load, ~10-20 s for SmolLM2 here)
+NO_WORKER_WAIT_S = 60.0
 IDLE_TIMEOUT_S = 5.0  # a request body that goes quiet this long gets 408 (gateway_http.py: same)
 
 
@@ -70,8 +75,11 @@ class Gateway:
                  max_connections: int, no_worker_grace_s: float = 5.0,
                  queue_without_workers: bool = False, *, max_open: int = MAX_OPEN,
                  max_open_per_client: int = MAX_OPEN_PER_CLIENT,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, stored_keys: bool = False):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, stored_keys: bool = False,
+                 no_worker_wait_s: float = NO_WORKER_WAIT_S):
         self.url, self.keys = redis_url(url), Keys(key_prefix(prefix))
+        # how long a submitted request waits with no live worker for its model (None: for ever)
+        self.no_worker_wait_s = None if queue_without_workers else no_worker_wait_s
         self.open, self.idle_timeout_s = OpenRequests(max_open, max_open_per_client), idle_timeout_s
         self.api_keys = [k.encode() for k in api_keys if k]
         self.tenancy = Tenancy(self.keys, self.api_keys, stored_keys)  # producer/tenancy.py
@@ -204,13 +212,17 @@ class Gateway:
         job = await self.client.submit(**req.kwargs)
         try:
             if req.stream:
-                resp = await start_stream(request, job, req, release)
+                resp = await start_stream(request, job, req, release, self.no_worker_wait_s)
                 resp.headers.update(headers)
                 return resp
-            res = await until_disconnect(request, job.result(raise_on_error=False))
+            res = await until_disconnect(request, job.result(raise_on_error=False,
+                                                             no_worker_s=self.no_worker_wait_s))
         except ClientGone:
             await job.cancel()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed" code
+        except NoWorkers as exc:
+            await job.cancel()
+            raise no_workers_error(exc) from None
         if res.error is not None:
             raise error_from_event(res.error)
         return JSONResponse(completion_body(req, res), headers=headers)
@@ -223,14 +235,14 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
                queue_without_workers: bool = False, max_open: int = MAX_OPEN,
                max_open_per_client: int = MAX_OPEN_PER_CLIENT,
                idle_timeout_s: float = IDLE_TIMEOUT_S, stored_keys: bool = False,
-               batch: Optional[BatchOptions] = None) -> FastAPI:
+               batch: Optional[BatchOptions] = None, no_worker_wait_s: float = NO_WORKER_WAIT_S) -> FastAPI:
     """The gateway app. Served by `genpool gateway`, it also gets the connection timeouts of
     producer/gateway_http.py (header, idle, send); another server must bring its own.
     `batch`: the Files and Batch API's options (producer/openai_batches.py)."""
     gw = Gateway(url, prefix, api_keys, max_queue_depth, priority, default_model,
                  max_connections, no_worker_grace_s, queue_without_workers, max_open=max_open,
                  max_open_per_client=max_open_per_client, idle_timeout_s=idle_timeout_s,
-                 stored_keys=stored_keys)
+                 stored_keys=stored_keys, no_worker_wait_s=no_worker_wait_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from genpool.schemas.connection import redact_text
 
+from .errors import NoWorkers
 from .openai_format import APIError, scrub_paths
 
 log = logging.getLogger("genpool.gateway")
@@ -207,6 +208,11 @@ def queue_error(exc: redis.RedisError) -> APIError:
     return APIError(503, f"the job queue is unreachable ({type(exc).__name__}: "
                          f"{scrub_paths(redact_text(str(exc)))})", "server_error",
                     code="queue_unavailable")
+
+
+def no_workers_error(exc: NoWorkers) -> APIError:
+    """The 503 of a request that waited `no_worker_wait_s` with no live worker for its model."""
+    return APIError(503, scrub_paths(str(exc)), "server_error", code="no_workers")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -17,12 +17,12 @@ import json
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from genpool.schemas.keys import JOB_ID_RE
 from genpool.schemas.tenants import DEFAULT_TENANT
 
-from .gateway_io import ClientGone, iterate_until_disconnect, sse
+from .gateway_io import ClientGone, ClosingStream, iterate_until_disconnect, sse
 from .openai_format import APIError
 from .tenancy import Principal
 
@@ -77,8 +77,10 @@ def install_job_routes(app: FastAPI, gw) -> None:
     @app.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str, request: Request):
         await _visible(gw, await gw.authorize(request), job_id)
-        return StreamingResponse(_events(request, gw, job_id), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        # counted as a completion's stream is: each holds a Redis connection in XREAD BLOCK
+        release = gw.open.enter(gw.caller(request))
+        return ClosingStream(_events(request, gw, job_id), release, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/jobs/{job_id}/cancel")
     async def cancel_job(job_id: str, request: Request):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Optional
 
 import redis
 from fastapi import Request
@@ -22,12 +22,14 @@ from genpool.schemas.connection import redact_text
 
 from . import openai_logprobs
 from .aio import AsyncJob
+from .errors import NoWorkers
 from .gateway_io import (
     ClientGone,
     ClosingStream,
     background,
     chain,
     iterate_until_disconnect,
+    no_workers_error,
     queue_error,
     sse,
     until_disconnect,
@@ -49,22 +51,26 @@ _TAKEN_BACK = {
 
 
 async def start_stream(request: Request, job: AsyncJob, req: OpenAIRequest,
-                       release: Callable[[], None]) -> Response:
+                       release: Callable[[], None], no_worker_s: Optional[float] = None) -> Response:
     """Answers once the job's first event is in, so a job its worker refuses (unknown
-    model, prompt too long) gets its real HTTP status rather than a 200 stream."""
-    events = job.stream(raise_on_error=False).__aiter__()
+    model, prompt too long) gets its real HTTP status rather than a 200 stream. `no_worker_s`:
+    how long it waits with no live worker for the job's model before a 503 (None: for ever)."""
+    events = job.stream(raise_on_error=False, no_worker_s=no_worker_s).__aiter__()
     try:
         first = await until_disconnect(request, events.__anext__())
+    except NoWorkers as exc:
+        await job.cancel()
+        raise no_workers_error(exc) from None
     except StopAsyncIteration:  # finished without a token: failed, or an empty completion
         first, res = None, await job.result(raise_on_error=False)
         if res.error is not None:
             raise error_from_event(res.error) from None
-    return ClosingStream(relay(request, job, req, chain(first, events)), release,
+    return ClosingStream(relay(request, job, req, chain(first, events), no_worker_s), release,
                          headers=SSE_HEADERS, media_type="text/event-stream")
 
 
 async def relay(request: Request, job: AsyncJob, req: OpenAIRequest,
-                events: AsyncIterator) -> AsyncIterator[str]:
+                events: AsyncIterator, no_worker_s: Optional[float] = None) -> AsyncIterator[str]:
     """The job's events as SSE chunks in OpenAI's shape, then its closing chunks."""
     created, finished = int(time.time()), False
     offsets: dict[int, int] = {}  # per choice: where the next token's text starts
@@ -96,13 +102,16 @@ async def relay(request: Request, job: AsyncJob, req: OpenAIRequest,
                 if with_lps:
                     offsets[ev.index] = openai_logprobs.advance(
                         offsets.get(ev.index, 0), ev.token_ids, ev.token_texts or {})
-        res = await job.result(raise_on_error=False)
+        res = await job.result(raise_on_error=False, no_worker_s=no_worker_s)
         finished = True
         for c in _closing(req, job.id, created, res, echo):
             yield sse(c)
         yield "data: [DONE]\n\n"
     except ClientGone:
         pass
+    except NoWorkers as exc:  # the 200 is sent: an error chunk; `finally` cancels the job
+        log.warning("job %s: stream ended: %s", job.id, exc)
+        yield sse(no_workers_error(exc).body())
     except redis.RedisError as exc:  # the 200 is sent: the error can only be an event
         log.warning("job %s: stream ended, the queue is unreachable: %s", job.id,
                     redact_text(str(exc)))

@@ -109,6 +109,31 @@ def test_one_clients_unread_streams_cannot_starve_another_caller(redis_url):
         drop_prefix(redis_url, prefix)
 
 
+def test_a_jobs_event_streams_count_against_the_open_request_bounds(redis_url):
+    """GET /v1/jobs/{id}/events holds a Redis connection as a completion's stream does, so it
+    counts against the per-client bound: one caller cannot open streams past it."""
+    from genpool.producer.gateway import create_app
+
+    prefix = new_prefix("gwevents")
+    app = create_app(redis_url, prefix, max_open_per_client=1)
+    try:
+        with worker_thread(FakeEngine(max_num_seqs=2, step_delay=0.05), redis_url, prefix), \
+                serve(app) as port, httpx.Client(timeout=30) as http:
+            base = f"http://127.0.0.1:{port}"
+            with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30) as other, \
+                    other.stream("POST", f"{base}/v1/completions", json=stream_body("long", 5000)) as run:
+                first = next(line for line in run.iter_lines() if line.startswith("data: "))
+                events = f"{base}/v1/jobs/{json.loads(first[6:])['id'].split('-', 1)[1]}/events"
+                with http.stream("GET", events) as held:  # the job runs on: this stream stays open
+                    assert held.status_code == 200
+                    second = http.get(events)
+                    assert second.status_code == 429, second.text
+                    assert second.json()["error"]["code"] == "too_many_open_requests"
+            wait_for(lambda: app.state.gateway.open.open == 0, 10, what="both streams released")
+    finally:
+        drop_prefix(redis_url, prefix)
+
+
 def test_total_open_requests_are_bounded(redis_url):
     """Past max_open every client gets 503 gateway_busy; closing one frees its place."""
     from genpool.producer.gateway import create_app
@@ -253,3 +278,48 @@ def test_cli_defaults_are_the_modules_defaults():
     assert (a.header_timeout, a.idle_timeout, a.send_timeout) == (
         gateway_http.HEADER_TIMEOUT_S, gateway_http.IDLE_TIMEOUT_S, gateway_http.SEND_TIMEOUT_S)
     assert gateway.IDLE_TIMEOUT_S == gateway_http.IDLE_TIMEOUT_S
+    assert a.no_worker_wait == gateway.NO_WORKER_WAIT_S
+
+
+def test_a_request_whose_workers_all_left_ends_with_503_and_its_job_cancelled(redis_url):
+    """The only worker stops mid-job (its job handed back to the queue): after no_worker_wait_s
+    without a live worker for the model, a stream ends with a no_workers error chunk and a plain
+    request answers 503, instead of both waiting, silent, until the client leaves."""
+    from genpool.producer.gateway import create_app
+
+    prefix = new_prefix("gwgone")
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    app = create_app(redis_url, prefix, no_worker_wait_s=1.0)
+
+    def jobs() -> list[str]:
+        return [k for k in r.scan_iter(f"{prefix}:job:*", count=1000) if not k.endswith(":events")]
+
+    def running() -> list[str]:
+        return [k for k in jobs() if r.hget(k, "state") == "running"]
+    try:
+        with serve(app) as port:
+            base = f"http://127.0.0.1:{port}/v1/completions"
+            with worker_thread(FakeEngine(max_num_seqs=4, step_delay=0.05), redis_url, prefix,
+                               drain_timeout_s=0.1) as w, httpx.Client(timeout=60) as http:
+                answers: dict = {}
+                plain = threading.Thread(target=lambda: answers.setdefault(
+                    "plain", http.post(base, json={"model": "fake", "prompt": "p", "max_tokens": 5000})))
+                plain.start()
+                with http.stream("POST", base, json=stream_body("gone", 5000)) as resp:
+                    lines = resp.iter_lines()
+                    assert resp.status_code == 200 and next(lines).startswith("data: ")
+                    wait_for(lambda: len(running()) == 2, 20, what="both jobs running")
+                    t0 = time.monotonic()
+                    w.stop(drain_timeout_s=0.1)
+                    rest = [line for line in lines if line]
+                took = time.monotonic() - t0
+                plain.join(60)
+            errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {\"error\"")]
+            assert errors and errors[-1]["error"]["code"] == "no_workers", rest[-3:]
+            assert took < 30, took
+            assert answers["plain"].status_code == 503, answers["plain"].text
+            assert answers["plain"].json()["error"]["code"] == "no_workers"
+            assert len(jobs()) == 2 and all(r.hget(k, "cancel") == "1" for k in jobs())  # for whoever claims them
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
