@@ -31,7 +31,6 @@ def _opt(help: str, **extra) -> dict:
     return {"help": help, **extra}
 
 
-
 def usable_cores() -> int:
     """The cores this process may run on: taskset and cpusets count, as os.cpu_count() does not."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional, Union
 
 from pydantic import ValidationError
 
-from genpool.schemas import ChatMessage, ErrorEvent, JobRequest, ResultEvent, describe_validation_error
+from genpool.schemas import TERMINAL, ChatMessage, ErrorEvent, JobRequest, ResultEvent, describe_validation_error
 from genpool.schemas import parse_event as _parse_event
 from genpool.schemas.keys import CONTROL_MAXLEN, JOB_TTL_S  # noqa: F401 - re-exported for producers
 from genpool.schemas.structured import check_structured, from_response_format, schema_of
@@ -86,10 +86,7 @@ def decode_event(fields) -> Any:
     try:
         return _parse_event(raw)
     except (TypeError, ValueError) as e:  # pydantic's ValidationError is a ValueError
-        return unreadable(e) if _claimed_type(raw) in TERMINAL_TYPES else None
-
-
-TERMINAL_TYPES = ("result", "error")
+        return unreadable(e) if _claimed_type(raw) in TERMINAL else None
 
 
 def _claimed_type(raw) -> Optional[str]:
@@ -134,4 +131,4 @@ def last_terminal(xrevrange_reply) -> Optional[Union[ResultEvent, ErrorEvent]]:
     if not xrevrange_reply:
         return None
     ev = decode_event(xrevrange_reply[0][1])
-    return ev if ev is not None and ev.type in ("result", "error") else None
+    return ev if ev is not None and ev.type in TERMINAL else None
