@@ -143,9 +143,17 @@ def test_shared_prefixes_land_where_they_are_cached(pool, tiny_llm):
     assert got["routed_load"] <= n_warm and got["handed_off"] >= 1 and got["routed_affinity"] >= 1, got
     text = format_status(c.status())
     assert "prefix_hit=" in text and "routed affinity/load/fallback=" in text
-    # the heartbeat carries the loop's last snapshot: wait for one taken after the last job
-    wait_for(lambda: all((info(c, w).get("prefix_hit_rate") or 0) > 0.5 for w in set(home.values())),
-             timeout=10, what=f"prefix hit rate above 0.5 at {set(home.values())}")
+    # the heartbeat carries the loop's last snapshot: wait for one taken after the last job.
+    # The rate is in prompt tokens since start: the warm jobs that ran on a worker missed in
+    # full, and each of its 8 routed jobs (the same document, another question) hits at least
+    # 3/4 of its prompt (0.94 for this document and block size), so with k warm misses the
+    # rate is at least 0.75 * 8 / (8 + k). Which idle worker pulls a warm job is Redis's call:
+    # one worker may run most of them (k = 8 puts an exact 0.94-per-job rate at 0.47).
+    warm_on = [ran_on(c, f"warm-doc{i}") for i in range(n_warm)]
+    floor = {w: 0.75 * 8 / (8 + warm_on.count(w)) for w in set(home.values())}
+    rates = lambda: {w: info(c, w).get("prefix_hit_rate") for w in floor}  # noqa: E731
+    wait_for(lambda: all((r or 0) > floor[w] for w, r in rates().items()), timeout=10,
+             what=lambda: f"prefix hit rates {rates()} above {floor} (warm jobs ran on {warm_on})")
 
 
 def test_a_worker_killed_mid_run_loses_nothing(pool):
