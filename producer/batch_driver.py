@@ -18,7 +18,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Optional
+from concurrent.futures import Executor
+from typing import Callable, Optional, TypeVar
 
 import redis
 
@@ -46,6 +47,12 @@ log = logging.getLogger("genpool.gateway")
 LEASE, RELEASE, ANSWER = Script(BATCH_LEASE_LUA), Script(BATCH_RELEASE_LUA), Script(BATCH_ANSWER_LUA)
 CHUNK = 500  # lines per round trip
 CANCEL_GRACE_S = 10.0  # a cancelled batch waits this long for its running jobs to stop
+T = TypeVar("T")
+
+
+def parse_lines(text: str) -> list[tuple[int, dict]]:
+    """(line number, parsed object) of each non-blank line (checked at upload)."""
+    return [(n, json.loads(raw)) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
 
 
 class LeaseLost(Exception):
@@ -55,8 +62,10 @@ class LeaseLost(Exception):
 class BatchDriver:
     def __init__(self, client: AsyncClient, files: FileStore, batches: BatchStore, *,
                  lease_ms: int = BATCH_LEASE_MS, tick_s: float = BATCH_TICK_S,
-                 webhook: Optional[WebhookOptions] = None, in_flight: int = BATCH_IN_FLIGHT):
+                 webhook: Optional[WebhookOptions] = None, in_flight: int = BATCH_IN_FLIGHT,
+                 checks: Optional[Executor] = None):
         self.client, self.r, self.keys = client, client.redis, client.keys
+        self.checks = checks  # where lines are parsed and checked (None: asyncio's default pool)
         self.files, self.batches = files, batches
         self.lease_ms, self.tick_s, self.in_flight = lease_ms, tick_s, in_flight
         self.token = uuid.uuid4().hex  # this gateway's name on the leases it holds
@@ -150,13 +159,17 @@ class BatchDriver:
         if got == -1:
             raise LeaseLost(bid)
 
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the check threads: a batch's lines are parsed and checked there, so a
+        big file does not stall the gateway's streams while it does."""
+        return await asyncio.get_running_loop().run_in_executor(self.checks, fn, *args)
+
     async def input_lines(self, view: BatchView):
         """(line number, parsed object) of each line of the batch's input (None: deleted)."""
         text = await self.files.content(view.record.input_file_id)
         if text is None:
             return None
-        return [(n, json.loads(raw)) for n, raw in enumerate(text.splitlines(), 1)
-                if raw.strip()]
+        return await self.off_loop(parse_lines, text)
 
     async def collect(self, bid: str, view: BatchView) -> list[str]:
         """Answer every submitted line whose job ended; returns the job ids still running. Only

@@ -5,8 +5,9 @@ window at a time, in an order that serves deadlines and the prefix cache.
   goes to the batch's `lines` hash and its `todo` set, ordered prefix by prefix (a prefix: the
   prompt text's first PREFIX_CHARS characters), each prefix's first line before its others.
 - **Feeding** (`in_progress`, every pass): up to `in_flight` lines of a batch are submitted and
-  unanswered at once. A batch feeds only while no batch whose window ends sooner has lines left
-  to submit: across the pool's gateways, the bulk lane serves batches earliest deadline first.
+  unanswered at once. A batch feeds only while no batch of its tenant whose window ends sooner
+  has lines left to submit: across the pool's gateways, the bulk lane serves a tenant's batches earliest
+  deadline first (different tenants' batches feed side by side; fair pull shares the workers).
   A prefix's other lines wait for its first line to be computed (answered, or its first token
   PREFIX_GATE_S old, so its worker has published the prefix), then arrive together, and prefix
   routing (workers/router.py) sends them where the prefix is cached. At most twice as many
@@ -20,9 +21,10 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
-from genpool.schemas.batches import PREFIX_CHARS, PREFIX_GATE_S, BatchView
+from genpool.schemas.batches import PREFIX_CHARS, PREFIX_GATE_S, BatchRecord, BatchView
 
 from . import batch_lines as bl
 from .batch_store import batch_ttl_s
@@ -45,6 +47,37 @@ def prefix_key(kwargs: dict) -> str:
     return hashlib.sha1(text[:PREFIX_CHARS].encode()).hexdigest()
 
 
+@dataclass
+class Checked:
+    """One input line after its checks: its job's kwargs and prefix key, or the error it is
+    answered with at once."""
+    n: int
+    obj: dict
+    jid: str
+    key: str = ""
+    error: Optional[APIError] = None
+
+
+def check_all(bid: str, rec: BatchRecord, lines: list, done: set, live) -> list[Checked]:
+    """Every line not yet answered, checked (CPU only: the driver runs it off the event loop,
+    which a 50,000-line file of schemas would hold for seconds)."""
+    out = []
+    for n, obj in lines:
+        if obj["custom_id"] in done:
+            continue
+        jid = bl.line_job_id(bid, obj["custom_id"])
+        try:
+            out.append(Checked(n, obj, jid, key=prefix_key(bl.to_request(obj, rec, live).kwargs)))
+        except APIError as e:
+            out.append(Checked(n, obj, jid, error=e))
+        except Exception as exc:  # noqa: BLE001 - a line the checks missed fails alone, logged,
+            # instead of failing the expansion, which the next tick would retry forever
+            log.exception("batch %s line %d could not be read", bid, n)
+            out.append(Checked(n, obj, jid, error=APIError(
+                500, f"this line could not be read ({type(exc).__name__})", "server_error")))
+    return out
+
+
 async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
     """Check every line not yet answered; False when the input file is gone."""
     rec, ttl, k = view.record, batch_ttl_s(view.record), d.keys
@@ -56,29 +89,18 @@ async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
     leads: dict[str, tuple[str, int]] = {}  # prefix -> (job id, line number) of its first line
     entries: dict[str, str] = {}
     order: dict[str, int] = {}
-    for n, obj in lines:
-        if obj["custom_id"] in done:
+    for c in await d.off_loop(check_all, bid, rec, lines, done, live):
+        if c.error is not None:
+            await d.answer(bid, c.obj["custom_id"], c.n, False,
+                           bl.http_error(c.jid, c.obj["custom_id"], c.error), "", ttl)
             continue
-        jid = bl.line_job_id(bid, obj["custom_id"])
-        try:
-            req = bl.to_request(obj, rec, live)
-        except APIError as e:
-            await d.answer(bid, obj["custom_id"], n, False,
-                           bl.http_error(jid, obj["custom_id"], e), "", ttl)
-            continue
-        except Exception as exc:  # noqa: BLE001 - a line the checks missed fails alone, logged,
-            # instead of failing the expansion, which the next tick would retry forever
-            log.exception("batch %s line %d could not be read", bid, n)
-            e = APIError(500, f"this line could not be read ({type(exc).__name__})", "server_error")
-            await d.answer(bid, obj["custom_id"], n, False, bl.http_error(jid, obj["custom_id"], e), "", ttl)
-            continue
-        lead_id, lead_n = leads.setdefault(prefix_key(req.kwargs), (jid, n))
-        lead = None if lead_id == jid else lead_id
-        entries[jid] = {"n": n, "obj": obj, "lead": lead, "followers": 0}
+        lead_id, lead_n = leads.setdefault(c.key, (c.jid, c.n))
+        lead = None if lead_id == c.jid else lead_id
+        entries[c.jid] = {"n": c.n, "obj": c.obj, "lead": lead, "followers": 0}
         if lead is not None:
             entries[lead]["followers"] += 1
         # a prefix's first line, then its others, prefix after prefix in input order
-        order[jid] = (lead_n << 17) + (0 if lead is None else n)
+        order[c.jid] = (lead_n << 17) + (0 if lead is None else c.n)
     ids = list(entries)
     for i in range(0, len(ids), CHUNK):
         chunk = ids[i:i + CHUNK]
@@ -91,12 +113,20 @@ async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
 
 
 async def first_in_line(d: "BatchDriver", view: BatchView) -> bool:
-    """Whether no batch whose window ends sooner still has lines to submit."""
-    k = d.keys
-    sooner = await d.r.zrangebyscore(k.batches_active, "-inf", f"({view.record.expires_at}")
+    """Whether no batch of the same tenant whose window ends sooner still has lines to submit.
+    Other tenants' batches feed beside it: the workers' fair pull shares the bulk lane between
+    tenants (workers/fair.py), where deadline order would make one tenant's 24-hour batches
+    hold back every later tenant's until they were all submitted."""
+    k, me = d.keys, view.record
+    sooner = await d.r.zrangebyscore(k.batches_active, "-inf", f"({me.expires_at}")
     for other in sooner:
-        if other != view.record.id and await d.r.zcard(k.batch_todo(other)) and \
-                await d.r.hget(k.batch(other), "status") == "in_progress":
+        if other == me.id:
+            continue
+        status, raw = await d.r.hmget(k.batch(other), "status", "record")
+        if status != "in_progress" or not raw or \
+                BatchRecord.model_validate_json(raw).owner != me.owner:
+            continue
+        if await d.r.zcard(k.batch_todo(other)):
             return False
     return True
 
@@ -114,8 +144,8 @@ async def feed(d: "BatchDriver", bid: str, view: BatchView, in_flight: int) -> i
     # finds lost and submits (same id); never a job that no one collects
     await d.r.sadd(k.batch_sent(bid), *[j for j, _ in picked])
     await d.r.expire(k.batch_sent(bid), batch_ttl_s(view.record))
-    await d.client.submit_many([bl.parse_line_body(x["obj"], view.record).kwargs
-                                for _, x in picked])
+    await d.client.submit_many(await d.off_loop(
+        lambda: [bl.parse_line_body(x["obj"], view.record).kwargs for _, x in picked]))
     await d.r.zrem(k.batch_todo(bid), *[j for j, _ in picked])
     return len(picked)
 

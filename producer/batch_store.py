@@ -111,6 +111,15 @@ class BatchStore:
         pipe.expire(self.keys.batches_active, ttl)
         await pipe.execute()
 
+    async def active_bytes(self, owner: str) -> int:
+        """The input bytes of `owner`'s batches that have not ended."""
+        ids = await self.r.zrange(self.keys.batches_active, 0, -1)
+        pipe = self.r.pipeline(transaction=False)
+        for bid in ids:
+            pipe.hget(self.keys.batch(bid), "record")
+        recs = [BatchRecord.model_validate_json(x) for x in await pipe.execute() if x]
+        return sum(r.input_bytes for r in recs if r.owner == owner)
+
     async def get(self, bid: str) -> Optional[BatchView]:
         key = valid_id(self.keys.batch, bid)
         h = await self.r.hgetall(key) if key else None

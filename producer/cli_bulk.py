@@ -147,8 +147,11 @@ def _batch_args(p) -> None:
                    help="serve the Batch API but run no batch driver here (other gateways drive "
                         "the batches)")
     p.add_argument("--batch-in-flight", type=int, default=256, metavar="N",
-                   help="lines of one batch submitted and not yet answered, at most (batches "
-                        "feed the bulk lane earliest deadline first)")
+                   help="lines of one batch submitted and not yet answered, at most (a tenant's "
+                        "batches feed the bulk lane earliest deadline first)")
+    p.add_argument("--batch-max-active-bytes", type=int, default=256 << 20, metavar="N",
+                   help="a tenant's batches not yet ended hold at most this many bytes of input "
+                        "files; a create past it is a 429")
     p.add_argument("--batch-webhook", default=None, metavar="URL",
                    help="POST a signed event (OpenAI's shape) here when a batch ends; the key is "
                         "$GENPOOL_WEBHOOK_SECRET (default: none: no webhooks)")
@@ -162,14 +165,16 @@ def _batch_options(a: argparse.Namespace):
     from .batch_webhooks import WebhookOptions
     from .openai_batches import BatchOptions
 
-    if a.max_file_bytes < 1 or a.batch_in_flight < 1 or (a.batch_window is not None
-                                                          and a.batch_window <= 0):
-        raise ValueError("--max-file-bytes, --batch-in-flight and --batch-window must be > 0")
+    if min(a.max_file_bytes, a.batch_in_flight, a.batch_max_active_bytes) < 1 or (
+            a.batch_window is not None and not a.batch_window > 0):
+        raise ValueError("--max-file-bytes, --batch-in-flight, --batch-max-active-bytes and "
+                         "--batch-window must be > 0")
     hook = None if a.batch_webhook is None else WebhookOptions(
         a.batch_webhook, value("GENPOOL_WEBHOOK_SECRET") or "", a.batch_webhook_tries,
         a.batch_webhook_backoff)
     return BatchOptions(window_s=a.batch_window, max_file_bytes=a.max_file_bytes,
-                        drive=not a.no_batch_driver, webhook=hook, in_flight=a.batch_in_flight)
+                        drive=not a.no_batch_driver, webhook=hook, in_flight=a.batch_in_flight,
+                        max_active_bytes=a.batch_max_active_bytes)
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:

@@ -67,10 +67,12 @@ def _store(a: argparse.Namespace):
 
 
 def cmd_create(a: argparse.Namespace) -> int:
-    if a.days <= 0:
-        print("genpool keys create: --days must be > 0", file=sys.stderr)
+    try:
+        secret, key = _store(a).create(a.tenant, a.model or [], a.priority_ceiling, a.name,
+                                       a.days)
+    except ValueError as e:  # pydantic's ValidationError is one: the priority ceiling's range
+        print(f"genpool keys create: {e}", file=sys.stderr)
         return 2
-    secret, key = _store(a).create(a.tenant, a.model or [], a.priority_ceiling, a.name, a.days)
     print(secret)
     print(f"created {key.id} for tenant {key.tenant!r}; the secret above is shown only now",
           file=sys.stderr)

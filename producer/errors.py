@@ -31,11 +31,15 @@ class JobFailed(Exception):
 
 
 class NoWorkers(TimeoutError):
-    """Still queued, and no live worker serves the job's model on this prefix."""
+    """Not finished, and no live worker serves the job's model on this prefix: still queued, or
+    `started` (tokens came) and its worker left since; it waits for the next one either way."""
 
-    def __init__(self, job_id: str, model: Optional[str], prefix: str, waited_s: float):
+    def __init__(self, job_id: str, model: Optional[str], prefix: str, waited_s: float,
+                 started: bool = False):
         self.job_id, self.model, self.prefix, self.waited_s = job_id, model, prefix, waited_s
-        super().__init__(f"job {job_id} is queued but no live worker serves "
+        self.started = started
+        where = "started but its worker left, and" if started else "is queued but"
+        super().__init__(f"job {job_id} {where} no live worker serves "
                          f"{no_worker_target(model, prefix)} (waited {waited_s:.0f} s); start one "
                          f"with `{worker_command(model, prefix)}`")
 

@@ -94,7 +94,7 @@ async def read_json(request: Request, idle_timeout_s: Optional[float] = None) ->
         raise APIError(415, f"Content-Type must be application/json (got {ctype!r})",
                        code="unsupported_media_type")
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+    if size is not None and size.isascii() and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise APIError(400, f"the request body is {size} bytes; the limit is {MAX_BODY_BYTES}",
                        code="body_too_large")
     raw = bytearray()
@@ -116,6 +116,28 @@ async def read_json(request: Request, idle_timeout_s: Optional[float] = None) ->
         raise APIError(400, "the request body's JSON is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+
+
+def bounded(request: Request, max_bytes: int, idle_timeout_s: Optional[float],
+            too_large: APIError) -> Request:
+    """`request` again, for a parser that reads the body itself (a multipart form): past
+    `max_bytes` of body it raises `too_large`, and 408 (the connection closed) when the sender
+    goes quiet for `idle_timeout_s`, while the body is still arriving. Without it, a chunked
+    upload spools to disk to its end whatever its size, and a stalled one is held forever."""
+    receive, got = request.receive, 0
+
+    async def guarded() -> Any:
+        nonlocal got
+        try:
+            message = await asyncio.wait_for(receive(), idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stalled (no data for {idle_timeout_s:g} s)",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        got += len(message.get("body", b""))
+        if got > max_bytes:
+            raise too_large
+        return message
+    return Request(request.scope, guarded)
 
 
 async def chain(first: Any, rest: AsyncIterator) -> AsyncIterator:

@@ -6,13 +6,21 @@ record: every gateway stops accepting the key when its cache entry (KEY_CACHE_S)
 """
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from typing import Optional
 
 from genpool.schemas import Keys
 from genpool.schemas.tenant_records import ApiKey, TenantLimits
-from genpool.schemas.tenants import API_KEY_TTL_S, KEY_CACHE_S, TenantKeys, check_tenant, key_digest
+from genpool.schemas.tenants import (
+    API_KEY_TTL_S,
+    DEFAULT_TENANT,
+    KEY_CACHE_S,
+    TenantKeys,
+    check_tenant,
+    key_digest,
+)
 
 SECRET_PREFIX = "gp-"  # what a genpool key looks like (secret scanners can match it)
 CACHE_MAX = 10_000  # cached lookups per gateway; past it the cache starts over
@@ -30,7 +38,14 @@ class KeyStore:
 
     def create(self, tenant: str, models: list[str], priority_ceiling: int, name: str = "",
                days: float = API_KEY_TTL_S / 86400) -> tuple[str, ApiKey]:
-        """(the secret, shown once; its record)."""
+        """(the secret, shown once; its record). ValueError for the default tenant (whose jobs
+        are every keyless and `--api-key` caller's: its key would see them all), a lifetime
+        that is no positive number, or a priority ceiling out of range."""
+        if tenant == DEFAULT_TENANT:
+            raise ValueError(f"tenant {DEFAULT_TENANT!r} holds the jobs of every caller without "
+                             f"a stored key: a key for it would see all of them; name a tenant")
+        if not (isinstance(days, (int, float)) and math.isfinite(days) and days > 0):
+            raise ValueError(f"days must be a positive number (got {days!r})")
         now, ttl = time.time(), max(1, int(days * 86400))
         key = ApiKey(id="key_" + secrets.token_hex(6), tenant=check_tenant(tenant),
                      models=list(models), priority_ceiling=priority_ceiling, name=name,
@@ -40,10 +55,20 @@ class KeyStore:
         pipe = self.r.pipeline(transaction=True)  # record and index share {<prefix>}
         pipe.set(self.t.api_key(digest), key.model_dump_json(), ex=ttl)
         pipe.hset(self.t.api_keys, key.id, digest)
-        pipe.expire(self.t.api_keys, ttl, nx=True)  # the index lives as long as its longest key
-        pipe.expire(self.t.api_keys, ttl, gt=True)
         pipe.execute()
+        # the index lives as long as its longest key, and so do the tenant's limits and weight
+        # (a key that outlived them would run unlimited)
+        for name in (self.t.api_keys, self.t.limits(key.tenant), self.t.weights):
+            self._keep_at_least(name, ttl)
         return secret, key
+
+    def _keep_at_least(self, name: str, ttl: int) -> None:
+        """Make `name` (when it exists) live at least `ttl` s more. EXPIRE's GT and NX options
+        are Redis 7's; Sentinel and Cluster deployments here run 6.2. An admin command: a
+        race between two of them leaves the longer TTL or the shorter, never none."""
+        left = self.r.ttl(name)
+        if left == -1 or 0 <= left < ttl:
+            self.r.expire(name, ttl)
 
     def list(self) -> list[ApiKey]:
         index = self.r.hgetall(self.t.api_keys)
@@ -64,14 +89,18 @@ class KeyStore:
         return bool(pipe.execute()[0])
 
     def set_limits(self, tenant: str, limits: TenantLimits) -> None:
+        """Kept as long as the tenant's longest-lived key (a year at least)."""
+        now = time.time()
+        ttl = max([API_KEY_TTL_S] + [int(k.expires - now) + 1 for k in self.list()
+                                     if k.tenant == tenant])
         pipe = self.r.pipeline(transaction=True)  # both in {<prefix>}
-        pipe.set(self.t.limits(tenant), limits.model_dump_json(), ex=API_KEY_TTL_S)
+        pipe.set(self.t.limits(tenant), limits.model_dump_json(), ex=ttl)
         if limits.weight == 1:
             pipe.hdel(self.t.weights, tenant)
         else:
             pipe.hset(self.t.weights, tenant, limits.weight)
-            pipe.expire(self.t.weights, API_KEY_TTL_S)
         pipe.execute()
+        self._keep_at_least(self.t.weights, ttl)
 
     def limits(self, tenant: str) -> TenantLimits:
         raw = self.r.get(self.t.limits(tenant))

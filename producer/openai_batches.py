@@ -21,6 +21,7 @@ from genpool.schemas.batches import (
     BATCH_PRIORITY,
     BATCH_TICK_S,
     COMPLETION_WINDOWS,
+    MAX_ACTIVE_BATCH_BYTES,
     MAX_FILE_BYTES,
     BatchRecord,
     BatchView,
@@ -48,6 +49,7 @@ class BatchOptions:
     tick_s: float = BATCH_TICK_S
     webhook: Optional[WebhookOptions] = None  # a signed POST when a batch ends
     in_flight: int = BATCH_IN_FLIGHT  # lines of one batch submitted and unanswered at once
+    max_active_bytes: int = MAX_ACTIVE_BATCH_BYTES  # a tenant's unended batches' input, at most
 
 
 class BatchAPI:
@@ -75,7 +77,7 @@ class BatchAPI:
         self.driver = BatchDriver(client, self.files, self.batches,
                                   lease_ms=self.options.lease_ms, tick_s=self.options.tick_s,
                                   webhook=self.options.webhook,
-                                  in_flight=self.options.in_flight)
+                                  in_flight=self.options.in_flight, checks=self.gw.checks)
         if self.options.drive:
             self._task = asyncio.ensure_future(self.driver.run())
 
@@ -116,12 +118,19 @@ class BatchAPI:
         if file.purpose != "batch":
             raise APIError(400, f"file {fid} has purpose {file.purpose!r}, not 'batch'",
                            param="input_file_id", code="invalid_value")
+        held = await self.batches.active_bytes(tenant)
+        if held + file.bytes > self.options.max_active_bytes:
+            raise APIError(429, f"this tenant's batches not yet ended hold {held} bytes of input; "
+                                f"with this file's {file.bytes} that is over the limit of "
+                                f"{self.options.max_active_bytes}: wait for one to end",
+                           type_="rate_limit_exceeded", code="batch_limit_exceeded")
         now = time.time()
         span = self.options.window_s or COMPLETION_WINDOWS[window]
         rec = BatchRecord(id=f"batch_{uuid.uuid4().hex[:24]}", endpoint=endpoint,
                           input_file_id=fid, completion_window=window, created_at=int(now),
                           expires_at=int(now + span + 0.999), metadata=metadata, owner=tenant,
-                          model=self.gw.default_model, **key_rules(who))
+                          model=self.gw.default_model, input_bytes=file.bytes,
+                          **key_rules(who))
         await self.batches.create(rec, file.lines)
         if self.driver is not None:
             self.driver.wake.set()

@@ -8,6 +8,7 @@ one bad request becomes one line of the batch's error file instead of failing th
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Optional
@@ -15,6 +16,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect
 
 from genpool.schemas.batches import (
     BAD_LINES_SHOWN,
@@ -25,6 +27,7 @@ from genpool.schemas.batches import (
 )
 
 from .batch import line_object
+from .gateway_io import bounded
 from .openai_format import ENDPOINTS, APIError
 
 FORM_SLACK = 64 << 10  # multipart framing and the purpose field around the file itself
@@ -89,13 +92,18 @@ def parse_upload(data: bytes) -> tuple[str, int]:
     return text, n
 
 
-async def read_upload(request: Request, max_bytes: int) -> tuple[str, bytes]:
+async def read_upload(request: Request, max_bytes: int,
+                      idle_timeout_s: Optional[float]) -> tuple[str, bytes]:
     """(filename, content) of a multipart upload with purpose=batch."""
     size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > max_bytes + FORM_SLACK:
+    if size.isascii() and size.isdigit() and int(size) > max_bytes + FORM_SLACK:
         raise APIError(413, f"the upload is {size} bytes; files are limited to {max_bytes}",
                        param="file", code="file_too_large")
-    form = await request.form()
+    too_large = APIError(413, f"the upload is over {max_bytes + FORM_SLACK} bytes; files are "
+                              f"limited to {max_bytes}", param="file", code="file_too_large",
+                         headers={"Connection": "close"})  # the rest of the body is not read
+    form = await bounded(request, max_bytes + FORM_SLACK, idle_timeout_s, too_large).form(
+        max_files=1, max_fields=4)
     try:
         purpose, up = form.get("purpose"), form.get("file")
         if purpose != "batch":
@@ -118,7 +126,7 @@ def list_args(request: Request) -> tuple[Optional[str], int]:
     """`after` and `limit` of a list request (OpenAI's cursor pagination)."""
     q = request.query_params
     raw = q.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise APIError(400, f"limit must be an integer in [1, {MAX_LIST_LIMIT}] (got {raw!r})",
                        param="limit", code="invalid_value")
     return q.get("after") or None, int(raw)
@@ -142,8 +150,18 @@ def install_file_routes(app: FastAPI, api) -> None:
     @app.post("/v1/files")
     async def upload(request: Request):
         tenant = await api.authorize(request)
-        filename, data = await read_upload(request, api.max_file_bytes)
-        text, n = parse_upload(data)
+        # an upload holds a connection (and up to a file's bytes) while it arrives: counted as
+        # a completion is, so one client's slow uploads cannot take every place
+        release = api.gw.open.enter(api.gw.caller(request))
+        try:
+            filename, data = await read_upload(request, api.max_file_bytes, api.gw.idle_timeout_s)
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads the answer; nginx's "client closed"
+        finally:
+            release()
+        # checked on the check threads: a 64 MB file's lines take a second or more to parse
+        text, n = await asyncio.get_running_loop().run_in_executor(api.gw.checks, parse_upload,
+                                                                  data)
         rec = FileRecord(id=f"file-{uuid.uuid4().hex[:24]}", bytes=len(data),
                          created_at=int(time.time()), filename=filename, purpose="batch",
                          lines=n, owner=tenant)

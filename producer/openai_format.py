@@ -35,9 +35,9 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "p
           # structured output: OpenAI's response_format, vLLM's structured_outputs (extra_body)
           "response_format", "structured_outputs"}
 ONLY = {"chat": {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                 "tool_choice"},
+                 "tool_choice", "parallel_tool_calls"},
         "completion": {"prompt", "logprobs", "echo", "prompt_logprobs"}}
-IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+IGNORED = {"user", "store", "metadata", "service_tier"}
 # Features accepted only at their "off" value: a caller relying on them must hear "no", not get
 # a silently different answer.
 OFF_VALUES: dict[str, tuple] = {

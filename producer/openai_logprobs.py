@@ -29,6 +29,15 @@ def chat(ids: list[int], maps: list[dict[str, float]], texts: dict[str, str], k:
     return {"content": content}
 
 
+def _by_text(top: list[tuple[str, float]], texts: dict[str, str]) -> dict[str, float]:
+    """The legacy API's {text: logprob}: two ids with one text (two halves of a character both
+    read U+FFFD) keep the higher, so the sampled greedy token still reads as the top one."""
+    out: dict[str, float] = {}
+    for tid, lp in top:  # highest first
+        out.setdefault(texts.get(tid, ""), lp)
+    return out
+
+
 def advance(offset: int, ids: list[int], texts: dict[str, str]) -> int:
     """Where the text after these tokens starts (completions' `text_offset`)."""
     return offset + sum(len(texts.get(str(t), "")) for t in ids)
@@ -40,7 +49,7 @@ def completion(ids: list[int], maps: list[dict[str, float]], texts: dict[str, st
     offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if ids else []
     return {"tokens": tokens,
             "token_logprobs": [d.get(str(t), float("-inf")) for t, d in zip(ids, maps)],
-            "top_logprobs": [{texts.get(tid, ""): lp for tid, lp in _top(d, k)} for d in maps],
+            "top_logprobs": [_by_text(_top(d, k), texts) for d in maps],
             "text_offset": offsets}
 
 

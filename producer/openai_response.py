@@ -115,8 +115,13 @@ def final_chunks(req: OpenAIRequest, res: JobResult, created: int) -> list[dict]
         calls: list[dict] = []
         if req.tools is not None and req.tools.active:  # held back until now: text or calls?
             content, calls = openai_tools.split(req.tools, c.text)
-            out += openai_tools.chunks(partial(chunk_body, req, res.id, created, c.index),
-                                       content, calls)
+            held = openai_tools.chunks(partial(chunk_body, req, res.id, created, c.index),
+                                       content, calls) or [chunk_body(req, res.id, created,
+                                                                      c.index)]
+            if req.top_logprobs is not None:  # the tokens' logprobs, held back with them
+                held[0]["choices"][0]["logprobs"] = openai_logprobs.body(
+                    req.kind, req.top_logprobs, c.token_ids, c.logprobs, c.token_texts)
+            out += held
         out.append(chunk_body(req, res.id, created, c.index,
                               finish_reason=_finish_calls(c.finish_reason, calls)))
     if req.include_usage:

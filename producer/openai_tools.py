@@ -6,12 +6,13 @@ open models were tuned on; conversations that carry assistant `tool_calls` and `
 results are rendered in the same format, then through the model's chat template.
 - `tool_choice: "required"` or a named function: the answer is constrained (llguidance, the
   structured-output path) to one call whose arguments validate against that tool's schema.
-- `"auto"`: unconstrained; a parser (PARSERS, by name; "hermes" today) takes the calls out of the
-  text, and what is left is the message's content.
+- `"auto"`: unconstrained; a parser (openai_tool_calls.PARSERS, by name; "hermes" today) takes
+  the calls out of the text, and what is left is the message's content.
 - `"none"`: the tools are not shown and nothing is parsed.
 Bad tools (no name, a duplicate, an invalid schema, too many or too big, an unknown named
-choice) are 400s naming the tool. One call per answer when constrained (`parallel_tool_calls` is
-accepted; the constraint allows one).
+choice) are 400s naming the tool. One call per answer when constrained; under `"auto"`,
+`parallel_tool_calls: false` keeps the first call. A call naming a tool the request did not declare
+is not a call: its text stays in the content.
 The Python clients and the Celery task take the same fields (`prepare` before the job is built,
 `attach` on its result): the job on the wire is a plain chat job, so workers know nothing of tools.
 """
@@ -19,19 +20,20 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from genpool.schemas import JobResult
 from genpool.schemas.events import ToolCall
 from genpool.schemas.request import ChatMessage
 
+from .openai_tool_calls import PARSERS, chunks, hermes, split  # noqa: F401 (this module's API)
+
 FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # what `prepare` takes out of submit kwargs
 MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 256 << 10  # their JSON, all together
+MAX_SCHEMA_DEPTH = 64  # a tool's parameters; deeper is no real schema, and recursion would break
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 class ToolError(ValueError):
@@ -45,6 +47,7 @@ class Tools:
     tools: list[dict]  # [{"name", "description", "parameters"}]
     choice: str  # "none" | "auto" | "required" | a tool's name
     parser: str = "hermes"
+    parallel: bool = True  # parallel_tool_calls: more than one call per answer
 
     @property
     def active(self) -> bool:
@@ -58,6 +61,10 @@ class Tools:
 def parse(body: dict) -> Optional[Tools]:
     """The request's tools and choice (None: no tools), validated; ToolError naming the field."""
     raw, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolError(f"parallel_tool_calls must be true or false, got {parallel!r}",
+                        "parallel_tool_calls")
     if raw in (None, []):
         if choice not in (None, "none"):
             raise ToolError("tool_choice needs tools", "tool_choice")
@@ -71,7 +78,7 @@ def parse(body: dict) -> Optional[Tools]:
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise ToolError(f"tool name {dup!r} is used twice", "tools")
-    return Tools(tools, _choice(choice, names))
+    return Tools(tools, _choice(choice, names), parallel=parallel is not False)
 
 
 def _tool(t: Any, i: int) -> dict:
@@ -84,10 +91,28 @@ def _tool(t: Any, i: int) -> dict:
         raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -, got "
                         f"{name!r}", f"tools.{i}.function.name")
     params = fn.get("parameters", {"type": "object", "properties": {}})
+    where = f"tools.{i}.function.parameters"
     if not isinstance(params, dict):
-        raise ToolError(f"tool {name!r}: parameters must be a JSON schema object",
-                        f"tools.{i}.function.parameters")
+        raise ToolError(f"tool {name!r}: parameters must be a JSON schema object", where)
+    for k in ("$defs", "definitions"):
+        if not isinstance(params.get(k, {}), dict):
+            raise ToolError(f"tool {name!r}: parameters' {k} must be an object", f"{where}.{k}")
+    if _depth(params) > MAX_SCHEMA_DEPTH:
+        raise ToolError(f"tool {name!r}: parameters are nested deeper than {MAX_SCHEMA_DEPTH}",
+                        where)
     return {"name": name, "description": str(fn.get("description") or ""), "parameters": params}
+
+
+def _depth(x: Any) -> int:
+    """How deep a JSON value nests, counted without recursion (the schema is a caller's)."""
+    deepest, todo = 0, [(x, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_SCHEMA_DEPTH:
+                todo.extend((w, d + 1) for w in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _choice(choice: Any, names: list[str]) -> str:
@@ -210,80 +235,14 @@ def constrain(tools: Tools, kw: dict) -> None:
     so = constraint(tools)
     if not so:
         return
+    fmt = kw.get("response_format")
     if kw.get("structured_outputs") or kw.get("json_schema") is not None or (
-            kw.get("response_format") or {}).get("type", "text") != "text":
+            fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text")):
         raise ToolError("tool_choice required or a named tool constrains the answer; it cannot "
                         "be combined with response_format, structured_outputs or json_schema",
                         "tool_choice")
+    kw.pop("response_format", None)  # {"type": "text"}: asks for nothing the call breaks
     kw["structured_outputs"] = so
-
-
-# -- out of the answer -------------------------------------------------------------------------
-def _call(obj: Any) -> Optional[dict]:
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}}
-
-
-_CUT_RE = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S)
-
-
-def _cut_call(text: str) -> Optional[dict]:
-    """A constrained call that max_tokens cut: its name and the arguments' text so far (not
-    valid JSON; finish_reason says "length"), or None when it was cut before its arguments."""
-    m = _CUT_RE.match(text)
-    if m is None:
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": json.loads(f'"{m.group(1)}"'), "arguments": m.group(2)}}
-
-
-def hermes(text: str) -> tuple[Optional[str], list[dict]]:
-    """(content, calls): every `<tool_call>{json}</tool_call>` that parses, and the text left."""
-    calls = []
-    for m in CALL_RE.finditer(text):
-        try:
-            call = _call(json.loads(m.group(1)))
-        except ValueError:
-            call = None
-        if call is not None:
-            calls.append(call)
-    if not calls:
-        return text, []
-    rest = CALL_RE.sub("", text).strip()
-    return rest or None, calls
-
-
-PARSERS: dict[str, Callable[[str], tuple[Optional[str], list[dict]]]] = {"hermes": hermes}
-
-
-def split(tools: Optional[Tools], text: str) -> tuple[Optional[str], list[dict]]:
-    """An answer's (content, tool calls) under the request's tools."""
-    if tools is None or not tools.active:
-        return text, []
-    if tools.constrained:  # the constraint made it exactly one call's JSON
-        try:
-            call = _call(json.loads(text))
-        except ValueError:  # cut short (max_tokens): OpenAI's answer, the arguments so far
-            call = _cut_call(text)
-        return (None, [call]) if call else (text, [])
-    return PARSERS[tools.parser](text)
-
-
-def chunks(chunk: Callable[..., dict], content: Optional[str], calls: list[dict]) -> list[dict]:
-    """OpenAI's chunking of an answer held back for its tool calls: the content, then per call
-    its index, id, type and name (arguments ""), then its arguments. `chunk(text=...)` makes one
-    chunk of the choice."""
-    out = [chunk(text=content)] if content else []
-    for j, call in enumerate(calls):
-        for delta in ({"index": j, "id": call["id"], "type": "function",
-                       "function": {"name": call["function"]["name"], "arguments": ""}},
-                      {"index": j, "function": {"arguments": call["function"]["arguments"]}}):
-            c = chunk()
-            c["choices"][0]["delta"] = {"tool_calls": [delta]}
-            out.append(c)
-    return out
 
 
 # -- the Python clients and the Celery task ----------------------------------------------------

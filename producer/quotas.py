@@ -48,6 +48,12 @@ class RateVerdict:
     def ok(self) -> bool:
         return self.verdict == "ok"
 
+    @property
+    def never(self) -> bool:
+        """Refused for counting more tokens than a whole minute allows: no retry fits it."""
+        return self.verdict == "tokens" and self.limits.tpm is not None and \
+            self.cost > self.limits.tpm
+
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers (only for the limits the tenant has), plus
         Retry-After (whole seconds, rounded up) on a refusal."""
@@ -59,11 +65,15 @@ class RateVerdict:
                 out[f"x-ratelimit-limit-{what}"] = str(limit)
                 out[f"x-ratelimit-remaining-{what}"] = str(max(0, limit - used))
                 out[f"x-ratelimit-reset-{what}"] = reset
-        if not self.ok:
+        if not self.ok and not self.never:
             out["retry-after"] = str(max(1, math.ceil(self.reset_ms / 1000)))
         return out
 
     def message(self) -> str:
+        if self.never:
+            return (f"this request counts {self.cost} tokens (prompt estimate + max_tokens x n), "
+                    f"more than tenant {self.tenant!r}'s limit of {self.limits.tpm} tokens per "
+                    f"minute: no retry admits it; lower max_tokens or shorten the prompt")
         limit = self.limits.rpm if self.verdict == "requests" else self.limits.tpm
         need = "" if self.verdict == "requests" else f"; this request counts {self.cost} tokens"
         return (f"tenant {self.tenant!r} is over its limit of {limit} {_WHAT[self.verdict]} "

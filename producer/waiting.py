@@ -37,6 +37,7 @@ class Watch:
         self.next_check = now  # look at once: a job for nobody should be reported early
         self.last_check = float("-inf")
         self.unserved_since: Optional[float] = None
+        self.started = False  # events came: a worker took the job (and may have left since)
         self.down_since: Optional[float] = None
         self.failures = 0  # consecutive failed reads
 
@@ -65,7 +66,7 @@ class Watch:
 
     def saw_events(self) -> None:
         """Entries arrived: someone serves the job (a draining worker is no longer listed)."""
-        self.unserved_since = None
+        self.unserved_since, self.started = None, True
 
     def redis_ok(self) -> None:
         if self.failures >= 2:
@@ -88,13 +89,13 @@ class Watch:
         now = time.monotonic()
         unserved = self.unserved_since is not None
         if unserved and self.no_worker_s is not None and now - self.unserved_since >= self.no_worker_s:
-            raise NoWorkers(self.job_id, self.model, self.prefix, now - self.t0)
+            raise NoWorkers(self.job_id, self.model, self.prefix, now - self.t0, self.started)
         if self.deadline is not None and now >= self.deadline:
             if unserved and self.checks and self.last_check < self.deadline:
                 self.next_check = now  # decide on a fresh look: a worker may have come since
                 return
             if unserved:
-                raise NoWorkers(self.job_id, self.model, self.prefix, now - self.t0)
+                raise NoWorkers(self.job_id, self.model, self.prefix, now - self.t0, self.started)
             raise TimeoutError(f"job {self.job_id}: no final event within "
                                f"{self.deadline - self.t0:g} s")
 

@@ -20,6 +20,10 @@ from .tenants import DEFAULT_TENANT
 # shared volume or object store (docs/protocol.md, "Files"); none is wired in yet.
 MAX_FILE_BYTES = 64 << 20
 MAX_BATCH_LINES = 50_000  # OpenAI's bound per batch file
+# A tenant's batches not yet ended hold at most this many bytes of input: each batch copies its
+# file's lines into Redis, so without it one 64 MiB file and a loop of 200-byte creates would
+# fill Redis (which refuses every write once full). OpenAI bounds batches' enqueued tokens alike.
+MAX_ACTIVE_BATCH_BYTES = 256 << 20
 FILE_TTL_S = 30 * 86400  # how long an uploaded or produced file is kept
 # A batch's keys (record, lines, results, lease) outlive its window by this much, so its status
 # and files can be read after it ends.
@@ -93,6 +97,7 @@ class BatchRecord(BaseModel):
     # (empty: any), and no priority more urgent than this
     models: list[str] = Field(default_factory=list)
     priority_ceiling: int = BATCH_PRIORITY
+    input_bytes: int = 0  # its input file's size: counted against MAX_ACTIVE_BATCH_BYTES
 
 
 class BatchView(BaseModel):

@@ -303,6 +303,14 @@ async def _check_async(r, log, timeout_s: float = 5.0) -> None:
     _judge(r, reply, log)
 
 
+def field_int(v) -> "int | None":
+    """A non-negative integer read from a Redis field (bytes or str) another process wrote, or
+    None when it is not one in ASCII digits: `"²".isdigit()` is True and int() then raises."""
+    if isinstance(v, bytes):
+        v = v.decode("ascii", "replace")
+    return int(v) if isinstance(v, str) and v.isascii() and v.isdigit() else None
+
+
 def _text(v) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 

@@ -24,7 +24,7 @@ class ApiKey(BaseModel):
     tenant: str = Field(default=DEFAULT_TENANT, pattern=f"^{TENANT_CHARS}$")
     models: list[str] = Field(default_factory=list, max_length=64)  # empty: any model
     # the most urgent priority its requests may ask for (lower runs sooner; lanes: keys.lane_for)
-    priority_ceiling: int = CALLER_PRIORITY_CEILING
+    priority_ceiling: int = Field(default=CALLER_PRIORITY_CEILING, ge=-(2**31), lt=2**31)
     name: str = Field(default="", max_length=200)  # a note for people: who holds it
     created: float = 0.0
     expires: float = 0.0

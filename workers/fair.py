@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Collection
 
 from genpool.schemas import Keys
-from genpool.schemas.keys import GROUP
+from genpool.schemas.keys import GROUP, field_int
 from genpool.schemas.scripting import Script
 from genpool.schemas.tenant_scripts import FAIR_READ_LUA
 from genpool.schemas.tenants import (
@@ -56,8 +56,8 @@ class FairPull:
         pipe.hgetall(TenantKeys(keys).weights)
         *known, weights = pipe.execute()
         self.sub_streams = known_sub_streams(keys, known)
-        self.weights = {_s(k): int(v) for k, v in weights.items()
-                        if TENANT_RE.match(_s(k)) and _s(v).isdigit() and 1 <= int(v) <= 1000}
+        self.weights = {_s(k): w for k, v in weights.items()
+                        if TENANT_RE.match(_s(k)) and 1 <= (w := field_int(v) or 0) <= 1000}
 
     def idle_block_ms(self, block_ms: int) -> int:
         return min(block_ms, IDLE_BLOCK_MS) if self.sub_streams else block_ms

@@ -16,6 +16,7 @@ from typing import Optional
 import redis
 
 from genpool.schemas import Keys, ResultEvent
+from genpool.schemas.keys import field_int
 from genpool.schemas.scripting import Script, pipelined
 from genpool.schemas.tenant_scripts import FAIR_SETTLE_LUA
 from genpool.schemas.tenants import (
@@ -26,7 +27,7 @@ from genpool.schemas.tenants import (
     USAGE_TTL_S,
     TenantKeys,
 )
-from genpool.workers.job import Job, _b
+from genpool.workers.job import Job
 from genpool.workers.lease import FENCE
 
 FAIR_SETTLE = Script(FAIR_SETTLE_LUA)
@@ -46,7 +47,7 @@ class UsageCount:
         if job.req is None:
             return None
         cost = job.entry.fields.get(b"cost", job.entry.fields.get("cost"))
-        charged = int(cost) if cost is not None and _b(cost).isdigit() else None
+        charged = field_int(cost)  # a producer wrote it: anything may be there
         return cls(job.req.tenant, ev.usage.prompt_tokens, ev.usage.completion_tokens,
                    int(time.time()) // USAGE_BUCKET_S, job.entry.stream, charged)
 

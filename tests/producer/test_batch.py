@@ -83,8 +83,10 @@ def test_batch_killed_midway_and_resumed(topology_url, tiny_llama_path, tmp_path
         assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
         first = subprocess.Popen(batch_cmd(redis_url, prefix, inp, out), cwd=ROOT, env=env,
                                  stderr=open(tmp_path / "run1.err", "wb"))
-        wait_for(lambda: count_lines(out) >= 25 or first.poll() is not None, 240, 0.01,
-                 what="25 output lines")
+        # 25 lines written and jobs out: the runner collects every job a poll finds done, then
+        # submits more, so a kill right after a poll that found all 8 done found none in flight
+        wait_for(lambda: (count_lines(out) >= 25 and jobs_out(r, prefix, out) > 0)
+                 or first.poll() is not None, 240, 0.01, what="25 output lines, jobs out")
         first.send_signal(signal.SIGKILL)
         first.wait()
         assert in_flight_at_kill(r, prefix, out) > 0, "the kill left no job in flight"
@@ -106,6 +108,13 @@ def test_batch_killed_midway_and_resumed(topology_url, tiny_llama_path, tmp_path
 def job_keys(r, prefix: str) -> list[str]:
     return [k for k in r.scan_iter(f"{prefix}:job:{{batch-*", count=1000)
             if not k.endswith(":events")]
+
+
+def jobs_out(r, prefix: str, out) -> int:
+    """in_flight_at_kill() while the run writes: its last line may be partial."""
+    rows = [json.loads(x) for x in out.read_bytes().split(b"\n")[:-1]]
+    return len(job_keys(r, prefix)) - sum(bool(row["response"]) or row["error"]["code"] !=
+                                          "invalid_request" for row in rows)
 
 
 def in_flight_at_kill(r, prefix: str, out) -> int:

@@ -4,6 +4,7 @@ A gateway with stored keys (issue 31), a fake-engine worker, the official client
 from __future__ import annotations
 
 import io
+import time
 
 import openai
 import pytest
@@ -30,6 +31,29 @@ def tenants(redis_url, tmp_path):
         gw.start()
         wait_for(lambda: workers_alive(redis_url, prefix), 60, what="worker up")
         yield gw, key_a, key_b, r, prefix, key_c
+    finally:
+        gw.stop()
+        stop_proc(worker)
+        r.close()
+        drop_prefix(redis_url, prefix)
+
+
+@pytest.fixture
+def narrow(redis_url, tmp_path):
+    """Two tenants, a slow worker (2 slots) and a gateway that keeps 4 lines of a batch in
+    flight: a batch of 40 lines has most of them still to submit for seconds."""
+    prefix = new_prefix("bnarrow")
+    r = connect(redis_url, decode_responses=True)
+    store = KeyStore(r, Keys(prefix))
+    key_a, _ = store.create("team-a", [], 1)
+    key_b, _ = store.create("team-b", [], 1)
+    worker = fake_worker(redis_url, prefix, tmp_path, "w", step_delay=0.01, seqs=2)
+    gw = Gateway(redis_url, prefix, tmp_path, "gw", "--stored-keys", "--batch-window", "600",
+                 "--batch-in-flight", "4")
+    try:
+        gw.start()
+        wait_for(lambda: workers_alive(redis_url, prefix), 60, what="worker up")
+        yield gw, key_a, key_b, r, prefix
     finally:
         gw.stop()
         stop_proc(worker)
@@ -79,3 +103,62 @@ def test_a_keys_models_bind_its_batch_lines(tenants):
     assert done.status == "completed" and done.request_counts.failed == 1
     (err,) = [x for x in c.files.content(done.error_file_id).text.splitlines()]
     assert '"model_not_found"' in err
+
+
+def test_one_tenants_batch_does_not_hold_back_anothers(narrow):
+    """Tenant b's batch, created while tenant a's 40-line batch runs (same window, so it ends
+    later), feeds beside it: deadline order across tenants held it until a's lines were all
+    submitted. Counted by the lines' own finish times."""
+    gw, key_a, key_b, r, prefix = narrow
+    a, b = as_key(gw, key_a), as_key(gw, key_b)
+
+    def batch(c: openai.OpenAI, tag: str, n: int):
+        f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(
+            [line(f"{tag}{i}", f"{tag} {i}", max_tokens=20) for i in range(n)]))), purpose="batch")
+        return c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                completion_window="24h")
+    first = batch(a, "a", 40)
+    wait_for(lambda: a.batches.retrieve(first.id).status == "in_progress", 30,
+             what="a's batch running")
+    time.sleep(1.1)  # windows end on whole seconds: b's must end after a's
+    second = batch(b, "b", 4)
+    assert second.expires_at > first.expires_at
+    assert wait_done(b, second.id, 120).status == "completed"
+    assert wait_done(a, first.id, 120).request_counts.completed == 40
+    keys = Keys(prefix)
+
+    def ended(bt, custom_id: str) -> float:
+        return float(r.hget(keys.job(line_job_id(bt.id, custom_id)), "finished_at"))
+    b_end = max(ended(second, f"b{i}") for i in range(4))
+    before = sum(ended(first, f"a{i}") < b_end for i in range(40))
+    assert before <= 20, before  # a's first windows, not the 36+ that waiting for a gives
+
+
+def test_a_tenants_unended_batches_are_bounded_in_bytes(redis_url, tmp_path):
+    """Each batch copies its file's lines into Redis: one file and a loop of creates would fill
+    it. Past --batch-max-active-bytes a tenant's create is a 429; another tenant's is not held."""
+    prefix = new_prefix("bbytes")
+    r = connect(redis_url, decode_responses=True)
+    store = KeyStore(r, Keys(prefix))
+    key_a, _ = store.create("team-a", [], 1)
+    key_b, _ = store.create("team-b", [], 1)
+    data = jsonl([line(f"x{i}", f"p {i}") for i in range(10)])
+    gw = Gateway(redis_url, prefix, tmp_path, "gw", "--stored-keys",
+                 "--batch-max-active-bytes", str(2 * len(data) + 10))
+    try:
+        gw.start()  # no worker: the batches stay unended
+        a, b = as_key(gw, key_a), as_key(gw, key_b)
+
+        def create(c: openai.OpenAI):
+            f = c.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+            return c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                    completion_window="24h")
+        create(a), create(a)
+        with pytest.raises(openai.RateLimitError) as e:
+            create(a)
+        assert e.value.code == "batch_limit_exceeded", e.value
+        assert create(b).status in ("validating", "in_progress")
+    finally:
+        gw.stop()
+        r.close()
+        drop_prefix(redis_url, prefix)

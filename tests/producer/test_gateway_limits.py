@@ -279,6 +279,9 @@ def test_cli_defaults_are_the_modules_defaults():
         gateway_http.HEADER_TIMEOUT_S, gateway_http.IDLE_TIMEOUT_S, gateway_http.SEND_TIMEOUT_S)
     assert gateway.IDLE_TIMEOUT_S == gateway_http.IDLE_TIMEOUT_S
     assert a.no_worker_wait == gateway.NO_WORKER_WAIT_S
+    from genpool.producer.cli_bulk import _batch_options
+    from genpool.producer.openai_batches import BatchOptions
+    assert _batch_options(a) == BatchOptions()
 
 
 def test_a_request_whose_workers_all_left_ends_with_503_and_its_job_cancelled(redis_url):
@@ -319,6 +322,8 @@ def test_a_request_whose_workers_all_left_ends_with_503_and_its_job_cancelled(re
             assert took < 30, took
             assert answers["plain"].status_code == 503, answers["plain"].text
             assert answers["plain"].json()["error"]["code"] == "no_workers"
+            assert "started but its worker left" in answers["plain"].json()["error"]["message"]
+            assert "started but its worker left" in errors[-1]["error"]["message"]
             assert len(jobs()) == 2 and all(r.hget(k, "cancel") == "1" for k in jobs())  # for whoever claims them
     finally:
         r.close()

@@ -16,6 +16,9 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+DEEP: dict = {"type": "object"}
+for _ in range(300):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 
 
 def body(**kw):
@@ -64,6 +67,13 @@ def test_a_conversation_with_calls_and_results_renders_in_the_hermes_format():
     ([WEATHER], "sometimes", "tool_choice"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
      "required", None),  # llguidance refuses the schema
+    # each of these was a 500 (AttributeError, TypeError, RecursionError) under "required"
+    ([{"type": "function", "function": {"name": "f", "parameters": {"$defs": None}}}],
+     "required", "tools.0.function.parameters.$defs"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"definitions": [1]}}}],
+     "auto", "tools.0.function.parameters.definitions"),
+    ([{"type": "function", "function": {"name": "f", "parameters": DEEP}}], "required",
+     "tools.0.function.parameters"),
 ])
 def test_bad_tools_are_400s_naming_the_tool(tools, choice, param):
     kw = {"tools": tools} if choice is None else {"tools": tools, "tool_choice": choice}
@@ -85,6 +95,41 @@ def test_a_bad_assistant_tool_call_message_is_a_400(message, param):
     with pytest.raises(APIError) as e:
         parse_body("chat", {"model": "m", "messages": [*ASK, message]})
     assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required", "response_format": "json"}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": ["json_object"]}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_odd_fields_beside_tools_are_400s(extra, param):
+    """A response_format that is no object beside a forced call was an AttributeError (500)."""
+    with pytest.raises(APIError) as e:
+        parse_body("chat", body(**extra))
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_a_text_response_format_beside_a_forced_call_is_no_conflict():
+    req = parse_body("chat", body(tool_choice="required", response_format={"type": "text"}))
+    assert "anyOf" in req.kwargs["structured_outputs"]["json"]
+
+
+def test_only_declared_tools_are_called_and_parallel_false_keeps_the_first():
+    """A call of a tool the request did not declare is not a call (its text stays content);
+    arguments the model wrote as a JSON string are not encoded again; parallel_tool_calls
+    false keeps the first call; a block that is no call stays in the content."""
+    text = ('A <tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
+            '</tool_call> B <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> C '
+            '<tool_call>broken</tool_call><tool_call>{"name": "get_time", "arguments": '
+            '{"zone": "UTC"}}</tool_call>')
+    tools = parse_body("chat", body()).tools
+    content, calls = openai_tools.split(tools, text)
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert content == ('A  B <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> C '
+                       '<tool_call>broken</tool_call>')
+    one = parse_body("chat", body(parallel_tool_calls=False)).tools
+    assert [c["function"]["name"] for c in openai_tools.split(one, text)[1]] == ["get_weather"]
 
 
 def test_answers_become_tool_calls():

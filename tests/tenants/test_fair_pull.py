@@ -94,6 +94,16 @@ def test_weights_two_to_one(pool):
     assert jain([t["a"] / 2, t["b"]]) >= 0.95
 
 
+def test_weights_that_are_no_ascii_numbers_are_ignored(pool):
+    """The weights hash is anyone's to write: "²" passed str.isdigit() and int() then raised in
+    every worker's refresh."""
+    KeyStore(pool.redis, pool.keys).set_limits("a", TenantLimits(weight=3))
+    pool.redis.hset(TenantKeys(pool.keys).weights, mapping={"b": "²", "c": "0", "d": "x"})
+    fair = FairPull("w1")
+    fair.refresh(pool.redis, pool.keys)
+    assert fair.weights == {"a": 3}
+
+
 def test_the_default_tenant_takes_turns_too(pool):
     submit(pool, DEFAULT_TENANT, 80)
     submit(pool, "a", 80)

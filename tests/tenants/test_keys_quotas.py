@@ -199,6 +199,18 @@ def test_tokens_per_minute_count_the_prompt_and_max_tokens(gateway):
     assert small.headers["x-ratelimit-remaining-tokens"] == "4"
 
 
+def test_a_request_larger_than_a_minutes_tokens_says_no_retry_fits(gateway):
+    """It was told to retry when the window turns, forever."""
+    base, ks, r, _ = gateway
+    secret, _ = ks.create("acme", [], -1)
+    ks.set_limits("acme", TenantLimits(tpm=100))
+    fresh_window(r)
+    big = post(base, secret, max_tokens=200)
+    assert big.status_code == 429 and "retry-after" not in big.headers, big.headers
+    assert "no retry admits it" in big.json()["error"]["message"]
+    assert post(base, secret, max_tokens=40).status_code == 200  # it used none of the minute
+
+
 def test_tokens_per_minute_count_token_id_prompts(gateway):
     """A token-id prompt (echo scoring, lm-eval) counts its ids: 60 ids + 2 = 62 fits a
     100-token minute, a second one does not (it was counted as 2 tokens: no limit held)."""
@@ -277,3 +289,30 @@ def test_the_gateway_answers_429_when_a_tenants_queue_is_full(redis_url):
     finally:
         r.close()
         drop_prefix(redis_url, prefix)
+
+
+def test_keys_that_would_misbehave_are_refused_at_creation(store):
+    """A stored key for the default tenant saw every keyless and --api-key caller's jobs,
+    files and batches; a ceiling out of range made its every request a 500; NaN days crashed."""
+    ks, _ = store
+    for args, kw, said in ((("default", [], 0), {}, "default"),
+                           (("acme", [], 2**31), {}, "priority_ceiling"),
+                           (("acme", [], 0), {"days": float("nan")}, "days"),
+                           (("acme", [], 0), {"days": float("inf")}, "days")):
+        with pytest.raises(ValueError, match=said):
+            ks.create(*args, **kw)
+    assert ks.list() == []
+
+
+def test_a_tenants_limits_last_as_long_as_its_longest_key(store):
+    """Limits were kept a year whatever the keys' lifetimes: a two-year key then ran unlimited."""
+    ks, prefix = store
+    t = KeyStore(ks.r, Keys(prefix)).t
+    ks.set_limits("acme", TenantLimits(rpm=10, weight=2))
+    ks.create("acme", [], 0, days=730)
+    for key in (t.limits("acme"), t.weights):
+        assert ks.r.ttl(key) > 729 * 86400, key
+    ks.set_limits("acme", TenantLimits(rpm=5, weight=3))  # set again: still the key's lifetime
+    for key in (t.limits("acme"), t.weights):
+        assert ks.r.ttl(key) > 729 * 86400, key
+    assert ks.limits("acme").rpm == 5

@@ -83,3 +83,16 @@ def test_parse_never_raises_and_always_explains(obj):
         assert p.error.code in ("invalid_request", "unknown_model") and p.error.message
     else:
         assert p.dead_reason
+
+
+def test_a_cost_that_is_no_ascii_number_charges_nothing_and_raises_nothing():
+    """A producer writes the entry's `cost`: "²" passes str.isdigit() and then int() raised at
+    the job's result (workers/usage.py)."""
+    from genpool.schemas import ResultEvent
+    from genpool.workers.usage import UsageCount
+
+    done = ResultEvent(text="x", finish_reason="stop", usage={"prompt_tokens": 1, "completion_tokens": 1})
+    for cost, charged in (("²".encode(), None), ("١٢".encode(), None), (b"-3", None), (b"12", 12)):
+        job = parse_entry(entry({b"job": json.dumps({"id": "c1", "prompt": "hi"}).encode(),
+                                 b"cost": cost}), SERVED)
+        assert UsageCount.of(job, done).charged == charged, cost
