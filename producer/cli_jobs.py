@@ -8,6 +8,7 @@ import sys
 import time
 
 from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.keys import field_float, field_int
 from genpool.schemas.tenants import DEFAULT_TENANT
 
 from .cli import EXIT_FAILED, EXIT_NO_WORKERS, EXIT_TIMEOUT, follow, say_if_unserved
@@ -71,10 +72,11 @@ def job_view(c, job_id: str) -> dict | None:
     view: dict = {"id": job_id, "state": info.get("state", "unknown (no job hash)"),
                   "lane": info.get("lane"), "tenant": info.get("tenant", DEFAULT_TENANT),
                   "worker": info.get("worker"),
-                  "attempts": int(info.get("attempts") or 0), "events": n_events,
+                  "attempts": field_int(info.get("attempts")) or 0, "events": n_events,
                   "expires_in_s": ttl if ttl and ttl > 0 else None,
                   "cancel_requested": info.get("cancel") == "1"}
-    t = {k: float(info[k]) for k in ("submitted_at", "started_at", "finished_at") if info.get(k)}
+    t = {k: x for k in ("submitted_at", "started_at", "finished_at")
+         if (x := field_float(info.get(k))) is not None}  # junk, NaN, inf: not shown
     if "submitted_at" in t:
         view["submitted"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t["submitted_at"]))
         end = t.get("finished_at", time.time())
@@ -82,7 +84,10 @@ def job_view(c, job_id: str) -> dict | None:
         view["age_s" if "finished_at" not in t else "total_s"] = round(end - t["submitted_at"], 3)
     for field in ("result", "error"):
         if info.get(field):
-            view[field] = json.loads(info[field])
+            try:
+                view[field] = json.loads(info[field])
+            except (ValueError, RecursionError):  # someone else's write
+                view[field] = {"unreadable": info[field][:200]}
     return view
 
 

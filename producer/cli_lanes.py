@@ -70,21 +70,12 @@ def lane_states(c, ahead_s: float) -> list[LaneState]:
 def _run(c, stream: str, ahead_s: float, mode: str) -> LaneState:
     last, after, moved, groups = LANE_REPAIR(c.redis, [stream], [int(ahead_s * 1000), mode])
     return LaneState(stream, last, after,
-                     [(old, new, _job_id(job)) for old, new, job in _triples(moved)],
-                     _triples(groups))
+                     [(old, new, jid if JOB_ID_RE.match(jid) else "")
+                      for old, new, jid in _triples(moved)], _triples(groups))
 
 
 def _triples(flat: list) -> list[tuple]:
     return [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
-
-
-def _job_id(job: str) -> str:
-    try:
-        doc = json.loads(job)
-    except ValueError:
-        return ""
-    jid = doc.get("id") if isinstance(doc, dict) else None
-    return jid if isinstance(jid, str) and JOB_ID_RE.match(jid) else ""
 
 
 def repair_lanes(c, ahead_s: float) -> list[LaneState]:

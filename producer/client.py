@@ -189,12 +189,18 @@ class Client:
         retrying(lambda: CANCEL(self.redis, [self.keys.job(job_id), self.keys.control],
                                  cancel_args(job_id, self.job_ttl_s)))
 
+    @property
+    def raw(self):
+        """A client on the same connection settings that does not decode replies: for reads of
+        what anyone may have written (dead letters, status), decoded leniently by the reader."""
+        if self._raw is None:
+            self._raw = self._raw_client()
+        return self._raw
+
     def status(self) -> dict:
         from .status import queue_status
 
-        if self._raw is None:  # bytes in, decoded leniently: status must never choke on junk
-            self._raw = self._raw_client()
-        return queue_status(self._raw, self.lane_keys())
+        return queue_status(self.raw, self.lane_keys())  # status must never choke on junk
 
     def _raw_client(self):
         if self.own_client or not hasattr(self.redis, "connection_pool"):

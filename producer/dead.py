@@ -1,6 +1,7 @@
 """The dead-letter stream for operators: read it, retry its jobs, purge it (redis + pydantic)."""
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import redis
@@ -18,14 +19,32 @@ from .retry import retrying
 RETRY_RESET = Script(RETRY_RESET_LUA)
 
 
+ENTRY_ID_RE = re.compile(r"^\d+-\d+$")  # a whole id: "ms" alone would be every entry of that ms
+
+
 def dead_entries(c, count: int = 20, ids: Optional[list[str]] = None) -> list[dict]:
-    """Newest first (or exactly `ids`), each {"entry": id, **fields}."""
-    r, key = c.redis, c.keys.dead
+    """Newest first (or exactly `ids`: whole entry ids only), each {"entry": id, **fields},
+    read as bytes and decoded leniently: anyone may XADD a dead letter, in any bytes."""
+    r, key = c.raw, c.keys.dead
     if ids is None:
         rows = r.xrevrange(key, count=count)
     else:
-        rows = [row for i in ids for row in r.xrange(key, i, i)]
-    return [{"entry": i, **f} for i, f in rows]
+        rows = [row for i in ids if ENTRY_ID_RE.match(i) for row in r.xrange(key, i, i)]
+    return [{"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}} for i, f in rows]
+
+
+def _every_dead(c, page: int = 500):
+    """Every dead letter, oldest first, a page at a time (the stream may hold 100,000 entries of
+    up to 64 KiB: one XRANGE of all of them is gigabytes in one reply)."""
+    start = "-"
+    while rows := c.raw.xrange(c.keys.dead, start, "+", count=page):
+        for i, f in rows:
+            yield {"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}}
+        start = "(" + _s(rows[-1][0])
+
+
+def _s(v) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def retry_dead(c, ids: Optional[list[str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -37,7 +56,7 @@ def retry_dead(c, ids: Optional[list[str]]) -> tuple[list[tuple[str, str]], list
     retry never replaces a queued, running or finished job), and entries whose lane refuses
     the submit. Each retry is three one-slot steps (see `_retry`), on one server as on a
     Cluster, so a retry cut off anywhere can be run again without enqueueing the job twice."""
-    entries = dead_entries(c, count=c.redis.xlen(c.keys.dead) or 1, ids=ids)
+    entries = _every_dead(c) if ids is None else dead_entries(c, ids=ids)  # lazily: no list
     c.lane_keys()  # the lane shards workers read: a retried job is spread like a fresh submit
     done, refused = [], []
     for d in entries:

@@ -180,6 +180,7 @@ class Gateway:
 
     async def complete(self, request: Request, kind: str) -> Response:
         principal = await self.authorize(request)
+        await self.tenancy.precheck(principal, self.client.redis)  # over its rpm: no parse
         release = self.open.enter(self.caller(request))  # before the body: slow bodies count too
         streaming = False
         try:

@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from genpool.schemas import Keys
-from genpool.schemas.tenant_records import ApiKey, TenantLimits
+from genpool.schemas.tenant_records import ApiKey, TenantLimits, read_limits
 from genpool.schemas.tenants import (
     API_KEY_TTL_S,
     DEFAULT_TENANT,
@@ -104,7 +104,7 @@ class KeyStore:
 
     def limits(self, tenant: str) -> TenantLimits:
         raw = self.r.get(self.t.limits(tenant))
-        return TenantLimits() if raw is None else TenantLimits.model_validate_json(raw)
+        return read_limits(raw)
 
     def find(self, secret: str) -> Optional[ApiKey]:
         raw = self.r.get(self.t.api_key(key_digest(secret)))
@@ -137,7 +137,7 @@ class KeyCache:
         if hit is not None and hit[0] > now:
             return hit[1]
         raw = await self.r.get(self.t.limits(tenant))
-        limits = TenantLimits() if raw is None else TenantLimits.model_validate_json(raw)
+        limits = read_limits(raw)
         self._put(self.tenants, tenant, limits, now)
         return limits
 

@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 import redis
 
 from genpool.schemas import Keys
-from genpool.schemas.keys import FINISHED_STATES, JOB_ID_RE, LANES
+from genpool.schemas.keys import FINISHED_STATES, JOB_ID_RE, LANES, field_float, field_int
 from genpool.schemas.tenants import known_sub_streams, queue_known
 
 SCAN_MAX = 10_000  # entries read per lane stream, and finished jobs collected by one listing
@@ -56,11 +56,12 @@ def _hashes(r, keys: Keys, ids: list[str]) -> list[dict]:
 
 
 def _row(job_id: str, h: dict, lane: Optional[str], now: float) -> dict:
-    sub = float(h["submitted_at"]) if h.get("submitted_at") else None
+    # anyone may have written these fields: junk reads as unknown, never an exception
+    sub = field_float(h.get("submitted_at"))
     return {"id": job_id, "lane": lane or h.get("lane"), "state": shown_state(h),
-            "worker": h.get("worker"), "attempts": int(h.get("attempts") or 0),
+            "worker": h.get("worker"), "attempts": field_int(h.get("attempts")) or 0,
             "age_s": round(now - sub, 1) if sub else None,
-            "finished_at": float(h["finished_at"]) if h.get("finished_at") else None}
+            "finished_at": field_float(h.get("finished_at"))}
 
 
 def _entries(r, stream: str, start: str = "-") -> list[tuple[str, str]]:
@@ -103,7 +104,9 @@ def finished_rows(r, keys: Keys, state: str, lanes: Iterable[str] = LANES) -> li
     rows, now, lanes = [], time.time(), set(lanes)
     batch: list[str] = []
     for key in r.scan_iter(match=keys.job_pattern, count=1000):
-        batch.append(keys.job_id_of(_s(key)))
+        job_id = keys.job_id_of(_s(key))
+        if JOB_ID_RE.match(job_id):  # the pattern also matches keys no job id makes
+            batch.append(job_id)
         if len(batch) >= 500:  # one round trip per 500 hashes
             rows, batch = rows + _matching(r, keys, batch, state, lanes, now), []
             if len(rows) >= SCAN_MAX:

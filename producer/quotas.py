@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from genpool.schemas import Keys
 from genpool.schemas.request import JobRequest
 from genpool.schemas.scripting import Script
-from genpool.schemas.tenant_records import TenantLimits
+from genpool.schemas.tenant_records import TenantLimits, read_limits
 from genpool.schemas.tenant_scripts import RATE_LUA
 from genpool.schemas.tenants import DEFAULT_TENANT, KEY_CACHE_S, RATE_WINDOW_S, TenantKeys
 
@@ -136,7 +136,7 @@ class ProducerQuota:
         return hit[1] if hit is not None and hit[0] > time.monotonic() else None
 
     def _keep(self, tenant: str, raw) -> TenantLimits:
-        limits = TenantLimits() if raw is None else TenantLimits.model_validate_json(raw)
+        limits = read_limits(raw)
         if len(self.cached) > 1000:
             self.cached.clear()
         self.cached[tenant] = (time.monotonic() + KEY_CACHE_S, limits)

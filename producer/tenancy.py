@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import hmac
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from genpool.schemas import Keys
+from genpool.schemas.keys import field_int
 from genpool.schemas.tenant_records import ApiKey, TenantLimits
-from genpool.schemas.tenants import DEFAULT_TENANT
+from genpool.schemas.tenants import DEFAULT_TENANT, RATE_WINDOW_S, TenantKeys
 
 from .keys_store import KeyCache
 from .openai_format import APIError, OpenAIRequest
 from .queued_cap import QueueCapReached, QueuedCap
-from .quotas import CHARS_PER_TOKEN, RateLimited, acharge_cost
+from .quotas import CHARS_PER_TOKEN, RateLimited, RateVerdict, acharge_cost
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,26 @@ class Tenancy:
         if key is None:
             raise _unauthorized("Incorrect API key provided.")
         return Principal(key.tenant, key)
+
+    async def precheck(self, principal: Principal, r) -> None:
+        """429 before the body is read or parsed (a grammar check can take a second) when the
+        tenant has used its requests this minute. A read, never a charge: admit() charges. The
+        window is the server's (RATE_LUA); judged by our clock, a skew can only let a request
+        on to admit(), never refuse one the window would take."""
+        if principal.key is None or self.cache is None:
+            return
+        limits = await self.cache.limits(principal.tenant)
+        if limits.rpm is None:
+            return
+        window, used, tokens = await r.hmget(TenantKeys(self.keys).rate(principal.tenant),
+                                             "window", "requests", "tokens")
+        now = time.time()
+        if field_int(window) == int(now // RATE_WINDOW_S) and (field_int(used) or 0) >= limits.rpm:
+            v = RateVerdict("requests", field_int(used) or 0, field_int(tokens) or 0,
+                            int((RATE_WINDOW_S - now % RATE_WINDOW_S) * 1000), limits,
+                            principal.tenant, 0)
+            raise APIError(429, v.message(), type_="rate_limit_exceeded",
+                           code="rate_limit_requests", headers=v.headers())
 
     async def admit(self, principal: Principal, req: OpenAIRequest, asked_priority: bool,
                     r) -> dict[str, str]:

@@ -28,7 +28,7 @@ from genpool.schemas.cluster import (  # ClusterUnreachable: what its cluster cl
     as_lost_connection,
     lost_connection_when_unreachable,
 )
-from genpool.schemas.keys import LANES
+from genpool.schemas.keys import LANES, MAX_LANE_SHARDS, field_int
 
 # Errors that mean "Redis is away for now" (retry after a reconnect), as against an answer:
 # a lost connection, a cluster whose slots are not served, a slot in the middle of a migration.
@@ -261,11 +261,10 @@ def lane_depths(replies: list, sub_lanes: Sequence[str] = ()) -> dict[str, tuple
 
 
 def stored_shards(value) -> int:
-    """The `lane_shards` field of the meta hash as workers published it (1 when unset)."""
-    try:
-        return max(1, int(value)) if value is not None else 1
-    except (TypeError, ValueError):
-        return 1
+    """The `lane_shards` field of the meta hash as workers published it (1 when unset, or when
+    it is no count in range: someone else's write must not stop every producer)."""
+    n = field_int(value)
+    return n if n is not None and 1 <= n <= MAX_LANE_SHARDS else 1
 
 
 def delete_prefix(r, prefix: str, batch: int = 500) -> int:

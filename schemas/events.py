@@ -74,7 +74,7 @@ class ResumeEvent(_Wire):
     lost the tail of the stream: AOF everysec, a failover) must drop what is past them."""
     type: Literal["resume"] = "resume"
     attempt: int = 1
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)  # counts: never < 0
 
 
 class RewindEvent(_Wire):

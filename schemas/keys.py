@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import re
 import zlib
 
@@ -309,6 +310,16 @@ def field_int(v) -> "int | None":
     if isinstance(v, bytes):
         v = v.decode("ascii", "replace")
     return int(v) if isinstance(v, str) and v.isascii() and v.isdigit() else None
+
+
+def field_float(v) -> "float | None":
+    """A finite number read from a Redis field another process wrote, else None ("nan", "inf"
+    and junk: a time of NaN prints as invalid JSON, one of inf overflows a date)."""
+    try:
+        x = float(v.decode("ascii", "replace") if isinstance(v, bytes) else v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 def _text(v) -> str:

@@ -16,7 +16,7 @@ keys of one Redis Cluster slot only, and docs/operations.md describes what they 
 #   - a group whose last-delivered id is ahead goes back to its newest pending entry (entries
 #     are delivered in id order, so every entry after that one is undelivered), or 0-0.
 # KEYS[1] lane stream; ARGV: how far ahead of the server's clock an id may be (ms), "check" or
-# "repair". Returns {last id, last id after (or ""), {old id, new id (or ""), job field, ...},
+# "repair". Returns {last id, last id after (or ""), {old id, new id (or ""), job id (or ""), ...},
 # {group, last-delivered id, set to (or ""), ...}}; a lane that is fine: {last, last, {}, {}}.
 LANE_REPAIR_LUA = """
 local function get(flat, name)
@@ -62,10 +62,18 @@ for _, g in ipairs(groups) do
     for _, v in ipairs({g[1], g[2], to}) do table.insert(reset, v) end
   end
 end
+-- the entry's job id, or '': the job field is anyone's bytes (no UTF-8, JSON nested past any
+-- parser's depth), and the client decodes the reply as text
+local function job_id(job)
+  local ok, doc = pcall(cjson.decode, job or '')
+  local id = ok and type(doc) == 'table' and doc['id']
+  if type(id) == 'string' and #id <= 128 and string.match(id, '^[%w_.%-]+$') then return id end
+  return ''
+end
 local moved = {}
 for _, e in ipairs(future) do
   local new = repair and redis.call('XADD', KEYS[1], '*', unpack(e[2])) or ''
-  for _, v in ipairs({e[1], new, get(e[2], 'job') or ''}) do table.insert(moved, v) end
+  for _, v in ipairs({e[1], new, job_id(get(e[2], 'job'))}) do table.insert(moved, v) end
 end
 return {last, repair and new_last or '', moved, reset}
 """

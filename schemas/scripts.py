@@ -166,7 +166,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder then
-  if tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') > now then
+  if (tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') or 0) > now then
     return {'leased', redis.call('HGET', KEYS[1], 'worker') or '', 0, 0}
   end
   if redis.call('HGET', KEYS[1], 'solo') == '1' then
@@ -177,8 +177,10 @@ if holder then
   redis.call('HDEL', KEYS[1], 'owner', 'lease_until', 'solo')
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[6], 'lease_until', now + tonumber(ARGV[7]))
-local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
-local charges = tonumber(redis.call('HGET', KEYS[1], 'charges') or '0')
+-- `or 0`: a field someone else wrote that is no number reads 0, not nil (a nil would end the
+-- reply's table early, and a comparison with it fail the script)
+local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') or 0
+local charges = tonumber(redis.call('HGET', KEYS[1], 'charges') or '0') or 0
 local maxd = tonumber(ARGV[9])
 if charges >= maxd then
   return {'dead', 'its worker was lost ' .. charges .. ' times while running it alone (max ' ..
@@ -190,7 +192,7 @@ if attempts == 0 and tonumber(ARGV[8]) > maxd then
 end
 if ARGV[5] ~= 'run' then return {'check', '', attempts, 0} end
 if redis.call('HGET', KEYS[1], 'cancel') == '1' then return {'cancelled', '', attempts, 0} end
-local suspect = tonumber(redis.call('HGET', KEYS[1], 'suspect') or '0')
+local suspect = tonumber(redis.call('HGET', KEYS[1], 'suspect') or '0') or 0
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'started_at', ARGV[3])
 return {'run', '', redis.call('HINCRBY', KEYS[1], 'attempts', 1), suspect}
 """
@@ -219,9 +221,15 @@ return out
 # --- used by workers/streams.py ---
 # Deployment settings a worker publishes for producers: the lane-shard count only ever grows, so
 # a producer never enqueues on a shard that some worker does not read. KEYS[1] meta hash;
-# ARGV: this worker's shard count, TTL seconds. Returns the count to read (the larger one).
+# ARGV: this worker's shard count, TTL seconds, the most shards there may be. Returns the count
+# to read (the larger one). A stored value that is no count in range (someone else's write) is
+# replaced by ours: a Lua error or a count past the bound would stop every worker's start.
 SHARDS_LUA = """
-local n = math.max(tonumber(redis.call('HGET', KEYS[1], 'lane_shards') or '1'), tonumber(ARGV[1]))
+local stored = tonumber(redis.call('HGET', KEYS[1], 'lane_shards') or '1')
+if not stored or stored ~= math.floor(stored) or stored < 1 or stored > tonumber(ARGV[3]) then
+  stored = 1
+end
+local n = math.max(stored, tonumber(ARGV[1]))
 redis.call('HSET', KEYS[1], 'lane_shards', n)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return n

@@ -5,12 +5,16 @@ The key names are in schemas/tenants.py. An API key's secret is never stored, on
 """
 from __future__ import annotations
 
+import json
+import logging
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .request import CALLER_PRIORITY_CEILING
 from .tenants import DEFAULT_TENANT, TENANT_CHARS
+
+log = logging.getLogger("genpool.tenants")
 
 KEY_ID_CHARS = r"key_[0-9a-f]{12}"
 Limit = Optional[int]  # None: no limit
@@ -46,3 +50,21 @@ class TenantLimits(BaseModel):
     @property
     def rated(self) -> bool:
         return self.rpm is not None or self.tpm is not None
+
+
+def read_limits(raw) -> TenantLimits:
+    """A stored limits record as every reader takes it (`genpool keys limits` writes it whole):
+    fields this version does not know are dropped (a newer tool wrote them); a record that does
+    not parse at all (someone else's write) reads as no limits, with a warning. None (no record):
+    no limits."""
+    if raw is None:
+        return TenantLimits()
+    try:
+        doc = json.loads(raw)
+        return TenantLimits.model_validate({k: v for k, v in doc.items()
+                                            if k in TenantLimits.model_fields})
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        log.warning("a tenant's limits record is unreadable; no limits applied: %s",
+                    str(e).splitlines()[0][:200])
+        return TenantLimits()
+

@@ -18,8 +18,8 @@ local span = tonumber(ARGV[4]) * 1000
 local win = math.floor(now / span)
 local req, tok = 0, 0
 if tonumber(redis.call('HGET', KEYS[1], 'window') or '-1') == win then
-  req = tonumber(redis.call('HGET', KEYS[1], 'requests') or '0')
-  tok = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+  req = tonumber(redis.call('HGET', KEYS[1], 'requests') or '0') or 0
+  tok = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0') or 0
 end
 local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local reset = (win + 1) * span - now
@@ -79,10 +79,20 @@ local function read_one(key)
   if not ok or not r or #r[1][2] == 0 then return nil end
   return r[1][2][1]
 end
+-- an entry's `cost` and a deficit are anyone's writes: a count below 1 (a negative cost was
+-- unbounded credit), NaN, inf or junk reads as the default (a deficit: 0)
+local function finite(v)
+  local n = tonumber(v)
+  if not n or n ~= n or n == math.huge or n == -math.huge then return nil end
+  return n
+end
 local function cost_of(fields)
   if type(fields) ~= 'table' then return default_cost end
   for i = 1, #fields - 1, 2 do
-    if fields[i] == 'cost' then return tonumber(fields[i + 1]) or default_cost end
+    if fields[i] == 'cost' then
+      local c = finite(fields[i + 1])
+      return (c and c >= 1) and c or default_cost
+    end
   end
   return default_cost
 end
@@ -99,7 +109,7 @@ local function fair(main, ring, active, deficit, n)
   local at = redis.call('HGET', deficit, ':cursor')
   local live = 0
   for i, m in ipairs(order) do
-    d[i] = tonumber(redis.call('HGET', deficit, m) or '0')
+    d[i] = finite(redis.call('HGET', deficit, m)) or 0
     if m == at then cur = i end
     skip[i] = weights[m] == 0  -- at its concurrency cap: not read now, keeps its place
     if not skip[i] then live = live + 1 end

@@ -15,7 +15,7 @@ from typing import Optional
 
 from genpool.schemas import Keys
 from genpool.schemas.scripting import Script, pipelined
-from genpool.schemas.tenant_records import TenantLimits
+from genpool.schemas.tenant_records import read_limits
 from genpool.schemas.tenant_scripts import SLOT_LUA
 from genpool.schemas.tenants import DEFAULT_TENANT, KEY_CACHE_S, TenantKeys
 from genpool.workers.job import Job
@@ -38,8 +38,7 @@ class ConcurrencyCaps:
     def _cap(self, tenant: str) -> Optional[int]:
         hit = self.caps.get(tenant)
         if hit is None or hit[0] < time.monotonic():
-            raw = self.r.get(self.t.limits(tenant))
-            cap = None if raw is None else TenantLimits.model_validate_json(raw).max_concurrent
+            cap = read_limits(self.r.get(self.t.limits(tenant))).max_concurrent
             self.caps[tenant] = hit = (time.monotonic() + KEY_CACHE_S, cap)
         return hit[1]
 

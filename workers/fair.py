@@ -28,8 +28,8 @@ FAIR_READ = Script(FAIR_READ_LUA)
 IDLE_BLOCK_MS = 50  # an idle worker's blocking read, while tenants exist (sub-streams wake none)
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def _s(v) -> str:  # anyone may have written it: never a UnicodeDecodeError
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 class FairPull:

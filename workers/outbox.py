@@ -140,6 +140,16 @@ class Outbox:
         else:
             self.ops.append(Write("dead", job, fenced=False, ends=True, dead=fields))
 
+    def _unwritable(self, op: Write, x: Exception) -> Write:
+        """The dead letter (acknowledging the entry) of a job whose terminal write its own keys
+        refuse: someone gave them another type."""
+        e = op.job.entry
+        why = f"its result cannot be written to its keys ({str(x)[:300]}): dead-lettered"
+        return Write("dead", op.job, fenced=False, ends=True, dead={
+            "reason": why, "stream": e.stream, "source_entry": e.entry_id,
+            "deliveries": e.deliveries, "payload": e.dead_payload(), "worker": self.worker,
+            "at": f"{time.time():.6f}", "job_id": op.job_id or ""})
+
     def discard(self, job_id: str) -> None:
         """Forget every queued write for a job this worker no longer holds (they would be
         refused by the fence anyway; not sending them saves the round trip)."""
@@ -202,6 +212,10 @@ class Outbox:
                 again += call
             elif isinstance(x, Exception):  # e.g. WRONGTYPE on a key a client clobbered
                 log.error("job %s: %s write failed: %s", call[0].job_id, call[-1].kind, x)
+                if "WRONGTYPE" in str(x):  # its keys will never take it: dead-letter the entry
+                    # now, or the job reruns after every lease expiry, unanswered, for ever
+                    earned += [self._unwritable(op, x) for op in call
+                               if op.kind == "final" and op.job.entry is not None]
             else:
                 lost.add(call[0].job_id)
         counts = [op.usage for op in earned if op.kind == "final" and op.usage is not None]

@@ -93,3 +93,10 @@ class Recovery:
                 return
             except REDIS_DOWN:
                 self._stop_event.wait(next(delays))
+            except redis.ResponseError as e:  # up, but refusing the lanes' writes (OOM under
+                # noeviction, a demoted master's READONLY): wait it out like a lost connection
+                if refused(e):
+                    self.writes_refused(e, pause=False)
+                else:
+                    log.error("Redis refused a command while reconnecting: %s", e)
+                self._stop_event.wait(next(delays))

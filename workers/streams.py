@@ -8,7 +8,7 @@ from typing import Sequence
 import redis
 
 from genpool.schemas import Keys
-from genpool.schemas.keys import META_TTL_S, check_memory_policy
+from genpool.schemas.keys import MAX_LANE_SHARDS, META_TTL_S, check_memory_policy
 from genpool.schemas.scripting import Script
 from genpool.schemas.scripts import SHARDS_LUA
 from genpool.workers.job import Entry
@@ -49,7 +49,7 @@ def publish_shards(r, keys: Keys) -> Keys:
     Run at every start and reconnect, so it first checks the server's maxmemory-policy (a
     failover may bring another server): any but noeviction loses jobs (schemas/keys.py)."""
     check_memory_policy(r, log)
-    n = int(SHARDS(r, [keys.meta], [keys.lane_shards, META_TTL_S]))
+    n = int(SHARDS(r, [keys.meta], [keys.lane_shards, META_TTL_S, MAX_LANE_SHARDS]))
     if n != keys.lane_shards:
         log.warning("lane shards: this worker was started with %d but the deployment has %d; "
                     "reading all %d", keys.lane_shards, n, n)
@@ -80,7 +80,8 @@ def ensure_groups(r: redis.Redis, keys: Keys) -> None:
 
 
 def s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    """Bytes from Redis as text: anyone may have written them, so never a UnicodeDecodeError."""
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:

@@ -22,6 +22,7 @@ from genpool.engine.identity import ModelIdentity
 from genpool.engine.resume import ResumeState
 from genpool.schemas import RestartEvent, ResumeEvent, TokenEvent
 from genpool.schemas.events import PromptScores, parse_event
+from genpool.schemas.keys import field_int
 from genpool.schemas.scripting import pipelined
 from genpool.workers.job import Job
 
@@ -61,7 +62,10 @@ class _Log:
         self.texts[i] = self.texts.get(i, "") + ev.text
         self.ids.setdefault(i, []).extend(ev.token_ids)
         lps = ev.logprobs or []
-        if len(lps) == len(ev.token_ids):  # a map per token, else none of them is known
+        # a map per token, keyed by token ids, else none of them is known (int() of a key that
+        # is no id would fail this worker's admission)
+        if len(lps) == len(ev.token_ids) and all(
+                field_int(k) is not None for d in lps if d is not None for k in d):
             self.token_texts.update(ev.token_texts or {})
         else:
             lps = [None] * len(ev.token_ids)
@@ -131,8 +135,8 @@ def _why_not(log: _Log, n: int, identity: ModelIdentity) -> str:
     return theirs.mismatch(identity) or ""
 
 
-def _s(v) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+def _s(v) -> str:  # another writer's bytes: never a UnicodeDecodeError
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
 def _seq(fields: dict) -> Optional[int]:

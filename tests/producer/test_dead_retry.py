@@ -97,3 +97,31 @@ def test_cli_retry_all_says_why_a_finished_job_is_refused(redis_url):
     finally:
         c.close()
         drop_prefix(redis_url, prefix)
+
+
+def test_dead_letters_of_any_bytes_are_listed_and_refused_not_fatal(client):
+    """A dead letter anyone XADDed in bytes that are no UTF-8 stopped `dead list` and
+    `dead retry --all` for every entry; an id of milliseconds alone named every entry of that
+    millisecond; --all read the whole stream in one reply (it reads pages now)."""
+    c = client
+    junk = c.redis.xadd(c.keys.dead, {b"reason": b"\xff\xfe", b"payload": b"\xff"})
+    letters = [forge(c, f"gone-{i}") for i in range(4)]
+    listed = genpool("dead", "list", "--json", "--redis", c.url, "--prefix", c.keys.prefix)
+    assert listed.returncode == 0, listed.stderr
+    assert len(listed.stdout.splitlines()) == 5 and "\ufffd" in listed.stdout
+    ms = letters[0].split("-")[0]
+    ok, refused = retry_dead(c, [ms])
+    assert ok == [] and refused == [(ms, "no such dead-letter entry")]
+    from genpool.producer.dead import _every_dead
+    calls = []
+    real = c.raw.xrange
+    c.raw.xrange = lambda *a, **kw: calls.append(kw.get("count")) or real(*a, **kw)
+    try:
+        seen = [d["entry"] for d in _every_dead(c, page=2)]
+    finally:
+        del c.raw.xrange
+    assert seen == [junk, *letters] and calls == [2, 2, 2, 2]
+    ok, refused = retry_dead(c, None)
+    assert sorted(e for e, _ in ok) == sorted(letters) and [e for e, _ in refused] == [junk]
+    with worker_thread(FakeEngine(), c.url, c.keys.prefix):
+        assert c.job("gone-0").result(timeout=10).text == expected_for_prompt("p forged", 3)

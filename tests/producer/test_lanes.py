@@ -83,6 +83,20 @@ def test_repair_keeps_every_queued_job(client):
         wait_for(lambda: c.redis.xlen(c.keys.jobs("normal")) == 0, what="every entry acked")
 
 
+@pytest.mark.parametrize("job", [b"\xff", b"[" * 100_000])
+def test_repair_mends_a_lane_poisoned_by_an_entry_that_is_no_job(client, job):
+    """The poison entry's job field is no UTF-8 (or JSON nested past any parser's depth): the
+    repair script returned it raw, and decoding its reply stopped both commands."""
+    c = client
+    c.redis.xadd(c.keys.jobs("normal"), {"job": job}, id=MAX_ID)
+    check = cli(c, "check")
+    assert check.returncode == 1 and "poisoned" in check.stdout, check.stderr
+    fixed = cli(c, "repair")
+    assert fixed.returncode == 0, fixed.stderr
+    assert cli(c, "check").returncode == 0
+    assert not c.submit("p after", max_tokens=2).duplicate
+
+
 def test_repair_after_a_worker_ran_the_poison_entry(redis_url):
     """A worker read the poison entry (the group's last-delivered id is the maximum too) and is
     still running another job of that lane: repair must not hand that one out again."""

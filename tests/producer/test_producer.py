@@ -147,6 +147,17 @@ def test_result_waits_and_times_out(client):
     assert res.error.code == "expired" and not res.ok
 
 
+def test_a_resume_with_a_negative_count_is_skipped_not_raised(client):
+    """`tokens: [-1]` (someone else's write) raised ValueError out of the reader's replay."""
+    job = client.submit("x")
+    bad = ResumeEvent(attempt=2, tokens=[1]).model_dump_json().replace("[1]", "[-1]")
+    _write(client, job.id, tok("a", 1))
+    client.redis.xadd(client.keys.events(job.id), {"event": bad})
+    _write(client, job.id, tok("b", 2), ResultEvent(text="ab", token_ids=[1, 2]))
+    assert "".join(e.text for e in client.job(job.id).stream(timeout=5)) == "ab"
+    assert client.job(job.id).result(timeout=2).text == "ab"
+
+
 def test_cancel_sets_flag_and_broadcasts(client):
     job = client.submit("x")
     job.cancel()

@@ -104,6 +104,22 @@ def test_weights_that_are_no_ascii_numbers_are_ignored(pool):
     assert fair.weights == {"a": 3}
 
 
+def test_a_negative_cost_buys_no_credit(pool, monkeypatch):
+    """An entry's `cost` is the producer's write: -100,000 on each of n's entries raised n's
+    deficit with every read, so n took every turn and s none."""
+    from genpool.producer import fair_submit
+
+    real = fair_submit.estimate_tokens
+    monkeypatch.setattr(fair_submit, "estimate_tokens",
+                        lambda req: -100_000 if req.tenant == "n" else real(req))
+    submit(pool, "n", 200)
+    monkeypatch.setattr(fair_submit, "estimate_tokens", real)
+    submit(pool, "s", 200)
+    got = serve(pool, FairPull("w1"), 100)
+    n_s = sum(tenant == "s" for tenant, _, _ in got)
+    assert n_s >= 30, f"s got {n_s} of 100"
+
+
 def test_the_default_tenant_takes_turns_too(pool):
     submit(pool, DEFAULT_TENANT, 80)
     submit(pool, "a", 80)

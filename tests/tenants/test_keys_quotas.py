@@ -199,6 +199,22 @@ def test_tokens_per_minute_count_the_prompt_and_max_tokens(gateway):
     assert small.headers["x-ratelimit-remaining-tokens"] == "4"
 
 
+def test_a_tenant_over_its_requests_is_refused_before_its_body_is_parsed(gateway):
+    """A tenant at its rpm had each body read and parsed (a big schema's grammar check takes a
+    second on the gateway's two check threads) before the 429: a body that cannot parse shows
+    the order, a 429 now where it was a 400."""
+    base, ks, r, _ = gateway
+    secret, _ = ks.create("acme", [], -1)
+    ks.set_limits("acme", TenantLimits(rpm=1))
+    fresh_window(r)
+    assert post(base, secret).status_code == 200
+    late = post(base, secret, temperature="hot")
+    assert late.status_code == 429 and late.json()["error"]["code"] == "rate_limit_requests", late.text
+    assert int(late.headers["retry-after"]) >= 1
+    other, _ = ks.create("other", [], -1)  # another tenant's requests are untouched
+    assert post(base, other, temperature="hot").status_code == 400
+
+
 def test_a_request_larger_than_a_minutes_tokens_says_no_retry_fits(gateway):
     """It was told to retry when the window turns, forever."""
     base, ks, r, _ = gateway

@@ -195,3 +195,25 @@ def test_celery_callers_get_the_gateways_priority_ceiling(redis_url, tmp_path):
         r.delete(prefix)
         r.close()
         drop_prefix(redis_url, prefix)
+
+
+def test_a_waiting_task_outlives_a_redis_outage(monkeypatch):
+    """The client's own retries give up after ~5 s of a lost Redis (a failover, a restart):
+    the task failed with ConnectionError and was acknowledged, so its caller never got the
+    result of a job that went on running. It waits on now, as the job does."""
+    import redis
+
+    from genpool.schemas import JobResult
+    from genpool.workers.integrations import celery_app
+
+    outage = [redis.ConnectionError("Connection refused")] * 3 + [TimeoutError()]
+    done = JobResult(id="j", text="ok", finish_reason="stop")
+
+    def result(timeout, raise_on_error):
+        if outage:
+            raise outage.pop(0)
+        return done
+    monkeypatch.setattr(celery_app, "POLL_S", 0.01)
+    task = SimpleNamespace(request=SimpleNamespace(id="t-outage"))
+    assert celery_app._wait(task, SimpleNamespace(id="j", result=result)) is done
+    assert outage == []

@@ -13,10 +13,13 @@ Everything is JSON: tasks, results, events. Nothing is ever pickled.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from typing import Any, Optional
 
+import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
@@ -36,6 +39,7 @@ os.environ.setdefault("FLOWER_ADDRESS", "127.0.0.1")
 TASK_NAME = "genpool.generate"
 ENV_QUEUE = "GENPOOL_CELERY_QUEUE"
 DEFAULT_QUEUE = "genpool"
+log = logging.getLogger("genpool.celery")
 POLL_S = 0.25  # how often a waiting task body looks for revocation and shutdown
 
 # Set by the in-process genpool worker (workers/integrations/celery_worker.py) once it has drained: task
@@ -174,13 +178,17 @@ def _wait(task, job):
 
     cancelled = False
     while True:
-        if not cancelled and task.request.id in worker_state.revoked:
-            client().cancel(job.id)  # the job ends with `cancelled` within one engine step
-            cancelled = True
         try:
+            if not cancelled and task.request.id in worker_state.revoked:
+                client().cancel(job.id)  # the job ends with `cancelled` within one engine step
+                cancelled = True
             return job.result(timeout=POLL_S, raise_on_error=False)
         except TimeoutError:
             pass
+        except redis.ConnectionError as e:  # a failover or restart longer than the client's
+            # retries: the job lives on in Redis, so wait on (failing the task lost its result)
+            log.warning("job %s: Redis is unreachable (%s); still waiting", job.id, e)
+            time.sleep(POLL_S)
         if SHUTDOWN.is_set():
             raise Reject("worker shutting down; the job stays queued", requeue=True)
 
