@@ -133,8 +133,11 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
     if stream is not None and not isinstance(stream, bool):
         raise APIError(400, "stream must be a boolean", param="stream")
     if opts is not None and not (isinstance(opts, dict)
-                                 and isinstance(opts.get("include_usage", False), bool)):
+                                 and opts.get("include_usage") in (None, True, False)):
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}",
+                       param="stream_options")
+    if opts is not None and not stream:  # as OpenAI and vLLM: it would be silently ignored
+        raise APIError(400, "stream_options is only allowed when stream is true",
                        param="stream_options")
     return OpenAIRequest(kind, kw, str(kw.get("model") or "genpool"), bool(stream),
                          bool((opts or {}).get("include_usage")), top, tools, echo)

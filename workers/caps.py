@@ -21,6 +21,7 @@ from genpool.schemas.tenants import DEFAULT_TENANT, KEY_CACHE_S, TenantKeys
 from genpool.workers.job import Job
 
 SLOT = Script(SLOT_LUA)
+CACHE_MAX = 10_000  # tenants' caps remembered; past it the cache starts over
 
 
 class ConcurrencyCaps:
@@ -39,6 +40,8 @@ class ConcurrencyCaps:
         hit = self.caps.get(tenant)
         if hit is None or hit[0] < time.monotonic():
             cap = read_limits(self.r.get(self.t.limits(tenant))).max_concurrent
+            if len(self.caps) >= CACHE_MAX:  # tenant names come from jobs: any number of them
+                self.caps.clear()
             self.caps[tenant] = hit = (time.monotonic() + KEY_CACHE_S, cap)
         return hit[1]
 

@@ -35,3 +35,19 @@ def test_a_streamed_answer_held_back_for_tools_keeps_its_logprobs():
                     and c["choices"][0]["logprobs"] is not None]
         assert streamed == [completion_body(plain, res)["choices"][0]["logprobs"]], text
         assert [e["token"] for e in streamed[0]["content"]] == ["Sun", "ny."]
+
+
+def test_stream_options_need_a_stream():
+    """OpenAI and vLLM refuse stream_options without stream: accepted, include_usage was
+    silently ignored (no usage chunk exists on an unstreamed answer). A null include_usage is
+    the same as false."""
+    import pytest
+
+    from genpool.producer.openai_format import APIError
+
+    ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(APIError) as e:
+        parse_body("chat", {**ask, "stream_options": {"include_usage": True}})
+    assert e.value.status == 400 and e.value.param == "stream_options"
+    req = parse_body("chat", {**ask, "stream": True, "stream_options": {"include_usage": None}})
+    assert req.stream and not req.include_usage
