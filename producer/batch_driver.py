@@ -159,10 +159,17 @@ class BatchDriver:
         if got == -1:
             raise LeaseLost(bid)
 
-    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+    async def off_loop(self, fn: Callable[..., T], *args, bid: Optional[str] = None) -> T:
         """fn(*args) on the check threads: a batch's lines are parsed and checked there, so a
-        big file does not stall the gateway's streams while it does."""
-        return await asyncio.get_running_loop().run_in_executor(self.checks, fn, *args)
+        big file does not stall the gateway's streams while it does. With `bid`, the batch's
+        lease is renewed meanwhile (50,000 lines of schemas take longer than the lease)."""
+        work = asyncio.get_running_loop().run_in_executor(self.checks, fn, *args)
+        while bid is not None:
+            done, _ = await asyncio.wait({work}, timeout=self.lease_ms / 3000)
+            if done:
+                break
+            await self.renew(bid)
+        return await work
 
     async def input_lines(self, view: BatchView):
         """(line number, parsed object) of each line of the batch's input (None: deleted)."""

@@ -89,7 +89,7 @@ async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
     leads: dict[str, tuple[str, int]] = {}  # prefix -> (job id, line number) of its first line
     entries: dict[str, str] = {}
     order: dict[str, int] = {}
-    for c in await d.off_loop(check_all, bid, rec, lines, done, live):
+    for c in await d.off_loop(check_all, bid, rec, lines, done, live, bid=bid):
         if c.error is not None:
             await d.answer(bid, c.obj["custom_id"], c.n, False,
                            bl.http_error(c.jid, c.obj["custom_id"], c.error), "", ttl)
@@ -118,15 +118,18 @@ async def first_in_line(d: "BatchDriver", view: BatchView) -> bool:
     tenants (workers/fair.py), where deadline order would make one tenant's 24-hour batches
     hold back every later tenant's until they were all submitted."""
     k, me = d.keys, view.record
-    sooner = await d.r.zrangebyscore(k.batches_active, "-inf", f"({me.expires_at}")
+    sooner = [b for b in await d.r.zrangebyscore(k.batches_active, "-inf", f"({me.expires_at}")
+              if b != me.id]
+    if not sooner:
+        return True
+    pipe = d.r.pipeline(transaction=False)  # one round trip for all, not two per batch
     for other in sooner:
-        if other == me.id:
-            continue
-        status, raw = await d.r.hmget(k.batch(other), "status", "record")
-        if status != "in_progress" or not raw or \
-                BatchRecord.model_validate_json(raw).owner != me.owner:
-            continue
-        if await d.r.zcard(k.batch_todo(other)):
+        pipe.hmget(k.batch(other), "status", "record")
+        pipe.zcard(k.batch_todo(other))
+    replies = await pipe.execute()
+    for (status, raw), todo in zip(replies[0::2], replies[1::2]):
+        if status == "in_progress" and raw and todo and \
+                BatchRecord.model_validate_json(raw).owner == me.owner:
             return False
     return True
 

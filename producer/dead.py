@@ -34,10 +34,14 @@ def dead_entries(c, count: int = 20, ids: Optional[list[str]] = None) -> list[di
 
 
 def _every_dead(c, page: int = 500):
-    """Every dead letter, oldest first, a page at a time (the stream may hold 100,000 entries of
-    up to 64 KiB: one XRANGE of all of them is gigabytes in one reply)."""
-    start = "-"
-    while rows := c.raw.xrange(c.keys.dead, start, "+", count=page):
+    """Every dead letter there is now, oldest first, a page at a time (the stream may hold
+    100,000 entries of up to 64 KiB: one XRANGE of all of them is gigabytes in one reply). Up to
+    the newest id at the start: a job retried here that dies again is not retried twice."""
+    newest = c.raw.xrevrange(c.keys.dead, count=1)
+    if not newest:
+        return
+    start, end = "-", _s(newest[0][0])
+    while rows := c.raw.xrange(c.keys.dead, start, end, count=page):
         for i, f in rows:
             yield {"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}}
         start = "(" + _s(rows[-1][0])

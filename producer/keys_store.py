@@ -6,6 +6,7 @@ record: every gateway stops accepting the key when its cache entry (KEY_CACHE_S)
 """
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import time
@@ -22,6 +23,7 @@ from genpool.schemas.tenants import (
     key_digest,
 )
 
+log = logging.getLogger("genpool.keys")
 SECRET_PREFIX = "gp-"  # what a genpool key looks like (secret scanners can match it)
 CACHE_MAX = 10_000  # cached lookups per gateway; past it the cache starts over
 
@@ -77,7 +79,15 @@ class KeyStore:
         gone = [i for i, rec in zip(ids, records) if rec is None]  # expired keys
         if gone:
             self.r.hdel(self.t.api_keys, *gone)
-        return [ApiKey.model_validate_json(rec) for rec in records if rec is not None]
+        out = []
+        for i, rec in zip(ids, records):
+            try:
+                if rec is not None:
+                    out.append(ApiKey.model_validate_json(rec))
+            except ValueError as e:  # someone else's write, or a record past today's bounds:
+                # shown as missing, not a failure of every listing (and of set_limits)
+                log.warning("key %s: its record is unreadable: %s", i, str(e).splitlines()[0])
+        return out
 
     def revoke(self, key_id: str) -> bool:
         digest = self.r.hget(self.t.api_keys, key_id)

@@ -54,17 +54,29 @@ class TenantLimits(BaseModel):
 
 def read_limits(raw) -> TenantLimits:
     """A stored limits record as every reader takes it (`genpool keys limits` writes it whole):
-    fields this version does not know are dropped (a newer tool wrote them); a record that does
-    not parse at all (someone else's write) reads as no limits, with a warning. None (no record):
-    no limits."""
+    fields this version does not know are dropped (a newer tool wrote them), and so is a field
+    whose value is invalid, with a warning (the others still apply); a record that is no JSON
+    object reads as no limits, with a warning. None (no record): no limits."""
     if raw is None:
         return TenantLimits()
     try:
         doc = json.loads(raw)
-        return TenantLimits.model_validate({k: v for k, v in doc.items()
-                                            if k in TenantLimits.model_fields})
-    except (ValueError, TypeError, AttributeError, RecursionError) as e:
-        log.warning("a tenant's limits record is unreadable; no limits applied: %s",
-                    str(e).splitlines()[0][:200])
+    except (ValueError, TypeError, RecursionError) as e:
+        log.warning("a tenant's limits record is no JSON; no limits applied: %s", e)
         return TenantLimits()
+    if not isinstance(doc, dict):
+        log.warning("a tenant's limits record is no JSON object; no limits applied")
+        return TenantLimits()
+    kept, bad = {}, []
+    for k, v in doc.items():  # each field alone: one bad value must not lift the others
+        if k in TenantLimits.model_fields:
+            try:
+                TenantLimits.model_validate({k: v})
+                kept[k] = v
+            except ValueError:
+                bad.append(k)
+    if bad:
+        log.warning("a tenant's limits record has unreadable %s; applying the rest",
+                    ", ".join(bad))
+    return TenantLimits.model_validate(kept)
 

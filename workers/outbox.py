@@ -27,6 +27,7 @@ from genpool.schemas.connection import is_cluster
 from genpool.schemas.keys import (
     DEAD_MAXLEN,
     EVENTS_MAXLEN,
+    FINISHED_STATES,
     JOB_TTL_S,
     RELEASED_IDLE_MS,
     RESULT_TTL_S,
@@ -140,15 +141,25 @@ class Outbox:
         else:
             self.ops.append(Write("dead", job, fenced=False, ends=True, dead=fields))
 
-    def _unwritable(self, op: Write, x: Exception) -> Write:
-        """The dead letter (acknowledging the entry) of a job whose terminal write its own keys
-        refuse: someone gave them another type."""
-        e = op.job.entry
-        why = f"its result cannot be written to its keys ({str(x)[:300]}): dead-lettered"
-        return Write("dead", op.job, fenced=False, ends=True, dead={
-            "reason": why, "stream": e.stream, "source_entry": e.entry_id,
-            "deliveries": e.deliveries, "payload": e.dead_payload(), "worker": self.worker,
-            "at": f"{time.time():.6f}", "job_id": op.job_id or ""})
+    def _unwritable(self, r, ops: list[Write], x: Exception) -> list[Write]:
+        """For terminal writes refused WRONGTYPE: an acknowledgement where the job's state says
+        its end landed (the script failed after it: a shared key, e.g. the usage bucket, of
+        another type), else the entry's dead letter (its own keys were given another type)."""
+        states = pipelined(r, ops, lambda pipe, op: pipe.hget(self.keys.job(op.job_id), "state"))
+        out = []
+        for op, state in zip(ops, states):
+            if isinstance(state, bytes):
+                state = state.decode("utf-8", "replace")
+            if isinstance(state, str) and state in FINISHED_STATES:
+                out.append(Write("ack", op.job, fenced=False, ends=True))
+                continue
+            e = op.job.entry
+            why = f"its result cannot be written to its keys ({str(x)[:300]}): dead-lettered"
+            out.append(Write("dead", op.job, fenced=False, ends=True, dead={
+                "reason": why, "stream": e.stream, "source_entry": e.entry_id,
+                "deliveries": e.deliveries, "payload": e.dead_payload(), "worker": self.worker,
+                "at": f"{time.time():.6f}", "job_id": op.job_id or ""}))
+        return out
 
     def discard(self, job_id: str) -> None:
         """Forget every queued write for a job this worker no longer holds (they would be
@@ -214,8 +225,8 @@ class Outbox:
                 log.error("job %s: %s write failed: %s", call[0].job_id, call[-1].kind, x)
                 if "WRONGTYPE" in str(x):  # its keys will never take it: dead-letter the entry
                     # now, or the job reruns after every lease expiry, unanswered, for ever
-                    earned += [self._unwritable(op, x) for op in call
-                               if op.kind == "final" and op.job.entry is not None]
+                    earned += self._unwritable(r, [op for op in call if op.kind == "final"
+                                                   and op.job.entry is not None], x)
             else:
                 lost.add(call[0].job_id)
         counts = [op.usage for op in earned if op.kind == "final" and op.usage is not None]

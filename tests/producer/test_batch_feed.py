@@ -122,3 +122,22 @@ def test_token_id_prompts_are_prefixes_of_their_own(pool):
             assert sent < first_token + PREFIX_GATE_S - 0.05, i
     finally:
         r.close()
+
+
+def test_a_long_check_renews_the_batchs_lease():
+    """50,000 lines of schemas take longer to check than the 5 s lease: the lease lapsed under
+    the check, the first bad line's answer found it lost, and the whole expansion began again
+    every pass, until the window ended."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from genpool.producer.batch_driver import BatchDriver
+
+    renewals = []
+
+    async def renew(bid):
+        renewals.append(bid)
+    d = SimpleNamespace(checks=None, lease_ms=300, renew=renew)
+    got = asyncio.run(BatchDriver.off_loop(d, lambda: time.sleep(0.5) or "checked", bid="b1"))
+    assert got == "checked" and len(renewals) >= 3, renewals  # every lease / 3 = 0.1 s

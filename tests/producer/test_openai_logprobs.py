@@ -51,3 +51,5 @@ def test_stream_options_need_a_stream():
     assert e.value.status == 400 and e.value.param == "stream_options"
     req = parse_body("chat", {**ask, "stream": True, "stream_options": {"include_usage": None}})
     assert req.stream and not req.include_usage
+    with pytest.raises(APIError):  # a number is no boolean (1 == True in Python)
+        parse_body("chat", {**ask, "stream": True, "stream_options": {"include_usage": 1}})

@@ -332,3 +332,16 @@ def test_a_tenants_limits_last_as_long_as_its_longest_key(store):
     for key in (t.limits("acme"), t.weights):
         assert ks.r.ttl(key) > 729 * 86400, key
     assert ks.limits("acme").rpm == 5
+
+
+def test_an_unreadable_key_record_fails_neither_listing_nor_limits(store):
+    """A record past today's bounds (an old key's priority ceiling of 2**31) or anyone's write
+    made every `keys list` and `keys limits` fail (set_limits reads the tenant's keys)."""
+    ks, prefix = store
+    _, good = ks.create("acme", [], 0)
+    ks.r.set(ks.t.api_key("0" * 64), '{"id": "key_000000000000", "priority_ceiling": 2147483648}',
+             ex=600)
+    ks.r.hset(ks.t.api_keys, "key_000000000000", "0" * 64)
+    assert [k.id for k in ks.list()] == [good.id]
+    ks.set_limits("acme", TenantLimits(rpm=5))
+    assert ks.limits("acme").rpm == 5

@@ -129,3 +129,29 @@ def test_a_job_whose_events_key_was_clobbered_is_dead_lettered_once(env):
         assert c.redis.hget(c.keys.job(job.id), "attempts") == "1"
     (_, dead), = c.redis.xrange(c.keys.dead)
     assert "cannot be written" in dead["reason"] and dead["job_id"] == job.id
+
+
+def test_a_clobbered_usage_bucket_dead_letters_no_job(env):
+    """The hour's usage bucket (one key shared by every job) made a string: the result script
+    fails WRONGTYPE after it stored the result, so the job is done and only acknowledged, not
+    dead-lettered (as a job whose own keys are clobbered is)."""
+    url, prefix, c = env
+    from genpool.schemas.tenants import USAGE_BUCKET_S
+
+    c.redis.set(TenantKeys(c.keys).usage(int(time.time()) // USAGE_BUCKET_S), "x", ex=600)
+    with worker_thread(FakeEngine(max_num_seqs=4), url, prefix, claim_idle_ms=300,
+                       heartbeat_s=0.1):
+        runs(c, "billed")
+        runs(c, "billed again")
+        time.sleep(1.0)  # > 3 claim windows: a pending entry would have been reclaimed
+    assert c.redis.xlen(c.keys.dead) == 0
+    assert c.status()["lanes"]["normal"] == {"queued": 0, "pending": 0}
+
+
+def test_a_limits_record_keeps_its_readable_fields():
+    """One invalid value lifted every limit of the tenant (the strict model refused the record)."""
+    from genpool.schemas.tenant_records import TenantLimits, read_limits
+
+    assert read_limits('{"rpm": 10.0, "tpm": 5000, "newer_field": 1}') == TenantLimits(tpm=5000)
+    assert read_limits('{"weight": 1001, "max_concurrent": 2}') == TenantLimits(max_concurrent=2)
+    assert read_limits("[1]") == read_limits(b"\xff") == read_limits(None) == TenantLimits()
