@@ -8,6 +8,7 @@ import redis
 from pydantic import ValidationError
 
 from genpool.schemas import JobRequest, describe_validation_error
+from genpool.schemas.keys import field_text
 from genpool.schemas.scripting import Script
 from genpool.schemas.scripts import RETRY_RESET_LUA
 
@@ -15,6 +16,7 @@ from .client import SUBMIT
 from .fair_submit import submit_keys
 from .protocol import submit_args
 from .retry import retrying
+from .status import letter
 
 RETRY_RESET = Script(RETRY_RESET_LUA)
 
@@ -23,14 +25,13 @@ ENTRY_ID_RE = re.compile(r"^\d+-\d+$")  # a whole id: "ms" alone would be every 
 
 
 def dead_entries(c, count: int = 20, ids: Optional[list[str]] = None) -> list[dict]:
-    """Newest first (or exactly `ids`: whole entry ids only), each {"entry": id, **fields},
-    read as bytes and decoded leniently: anyone may XADD a dead letter, in any bytes."""
+    """Newest first (or exactly `ids`: whole entry ids only), each {"entry": id, **fields}."""
     r, key = c.raw, c.keys.dead
     if ids is None:
         rows = r.xrevrange(key, count=count)
     else:
         rows = [row for i in ids if ENTRY_ID_RE.match(i) for row in r.xrange(key, i, i)]
-    return [{"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}} for i, f in rows]
+    return [letter(i, f) for i, f in rows]
 
 
 def _every_dead(c, page: int = 500):
@@ -40,15 +41,13 @@ def _every_dead(c, page: int = 500):
     newest = c.raw.xrevrange(c.keys.dead, count=1)
     if not newest:
         return
-    start, end = "-", _s(newest[0][0])
+    start, end = "-", field_text(newest[0][0])
     while rows := c.raw.xrange(c.keys.dead, start, end, count=page):
         for i, f in rows:
-            yield {"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}}
-        start = "(" + _s(rows[-1][0])
+            yield letter(i, f)
+        start = "(" + field_text(rows[-1][0])
 
 
-def _s(v) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def retry_dead(c, ids: Optional[list[str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

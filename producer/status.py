@@ -8,6 +8,7 @@ import redis
 
 from genpool.schemas import Keys
 from genpool.schemas.connection import lane_depths, queue_lane_depths
+from genpool.schemas.keys import field_text
 from genpool.schemas.tenants import known_sub_streams, queue_known
 
 from .listing import cancelled_unread
@@ -56,13 +57,11 @@ def queue_status(r: redis.Redis, keys: Keys, dead_tail: int = 5) -> dict:
         "workers": workers,
         "unreadable_workers": unreadable,  # workers hash entries that do not parse (WorkerInfo)
         "dead": {"count": r.xlen(keys.dead),
-                 "recent": [{"entry": _s(i), **{_s(k): _s(v) for k, v in f.items()}}
+                 "recent": [letter(i, f)
                             for i, f in dead]},
     }
 
 
-def _s(v) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def format_status(st: dict) -> str:
@@ -95,3 +94,8 @@ def _routing_line(w: dict) -> str:
             f"{w.get('routed_load', 0)}/{w.get('routed_fallback', 0)} "
             f"handed out/in={w.get('handed_off', 0)}/{w.get('handed_in', 0)}")
 
+
+def letter(entry_id, fields: dict) -> dict:
+    """A dead letter as its bytes came, decoded leniently: anyone may XADD one, in any bytes."""
+    return {"entry": field_text(entry_id), **{field_text(k): field_text(v)
+                                             for k, v in fields.items()}}

@@ -74,8 +74,8 @@ class Tenancy:
     async def precheck(self, principal: Principal, r) -> None:
         """429 before the body is read or parsed (a grammar check can take a second) when the
         tenant has used its requests this minute. A read, never a charge: admit() charges. The
-        window is judged on the server's clock, as RATE_LUA judges it (TIME in the same round
-        trip): a gateway's skewed clock refuses nothing the window would take."""
+        window is judged on the server's clock (TIME, asked only when the count is at the
+        limit), as RATE_LUA judges it: a gateway's skewed clock refuses nothing it would take."""
         if principal.key is None or self.cache is None:
             return
         limits = await self.cache.limits(principal.tenant)
@@ -83,12 +83,13 @@ class Tenancy:
             return
         window, used, tokens = await r.hmget(TenantKeys(self.keys).rate(principal.tenant),
                                              "window", "requests", "tokens")
-        if field_int(used) is None or field_int(used) < limits.rpm:
+        used = field_int(used) or 0
+        if used < limits.rpm:
             return  # the common case: one round trip
         secs, micros = await r.time()  # (a keyless command: any node of a Cluster answers)
         now = secs + micros / 1e6
-        if field_int(window) == int(now // RATE_WINDOW_S) and (field_int(used) or 0) >= limits.rpm:
-            v = RateVerdict("requests", field_int(used) or 0, field_int(tokens) or 0,
+        if field_int(window) == int(now // RATE_WINDOW_S):
+            v = RateVerdict("requests", used, field_int(tokens) or 0,
                             int((RATE_WINDOW_S - now % RATE_WINDOW_S) * 1000), limits,
                             principal.tenant, 0)
             raise APIError(429, v.message(), type_="rate_limit_exceeded",

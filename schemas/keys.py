@@ -322,17 +322,19 @@ def field_float(v) -> "float | None":
     return x if math.isfinite(x) else None
 
 
-def _text(v) -> str:
+def field_text(v) -> str:
+    """Text read from Redis that another process wrote: bytes decoded leniently (never a
+    UnicodeDecodeError), anything else as str()."""
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def _policies(r, reply) -> dict[str, str]:
     """{server: policy} from CONFIG GET's reply: one server's {name: value}, or a cluster's
     {node: {name: value}} (redis-py gives the bare reply when one node answered)."""
-    if any(_text(k) == "maxmemory-policy" for k in reply):
-        return {_where(r): next(_text(v) for k, v in reply.items()
-                                if _text(k) == "maxmemory-policy")}
-    return {_text(node): _text(next(iter(d.values()), "")) for node, d in reply.items()}
+    if any(field_text(k) == "maxmemory-policy" for k in reply):
+        return {_where(r): next(field_text(v) for k, v in reply.items()
+                                if field_text(k) == "maxmemory-policy")}
+    return {field_text(node): field_text(next(iter(d.values()), "")) for node, d in reply.items()}
 
 
 def _judge(r, reply, log) -> None:

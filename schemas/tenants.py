@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from .keys import JOB_TTL_S, Keys
+from .keys import JOB_TTL_S, Keys, field_text
 
 DEFAULT_TENANT = "default"  # a job that names no tenant (and every `--api-key` key's jobs)
 TENANT_CHARS = r"[A-Za-z0-9_.\-]{1,64}"
@@ -114,8 +114,6 @@ def sub_stream(lane_stream: str, tenant: str) -> str:
     return f"{lane_stream}{SUB_STREAM_SEP}{check_tenant(tenant)}"
 
 
-def _text(v) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 def queue_known(pipe, keys: Keys) -> None:
@@ -131,6 +129,6 @@ def known_sub_streams(keys: Keys, replies: list) -> list[str]:
     out = []
     for lane, members in zip(keys.all_jobs(), replies):
         if isinstance(members, (set, list)):
-            out += [sub_stream(lane, _text(m)) for m in sorted(members, key=_text)
-                    if TENANT_RE.match(_text(m))]
+            out += [sub_stream(lane, field_text(m)) for m in sorted(members, key=field_text)
+                    if TENANT_RE.match(field_text(m))]
     return out

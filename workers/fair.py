@@ -12,6 +12,7 @@ from typing import Collection
 
 from genpool.schemas import Keys
 from genpool.schemas.keys import GROUP, field_int
+from genpool.schemas.keys import field_text as _s
 from genpool.schemas.scripting import Script
 from genpool.schemas.tenant_scripts import FAIR_READ_LUA
 from genpool.schemas.tenants import (
@@ -28,8 +29,6 @@ FAIR_READ = Script(FAIR_READ_LUA)
 IDLE_BLOCK_MS = 50  # an idle worker's blocking read, while tenants exist (sub-streams wake none)
 
 
-def _s(v) -> str:  # anyone may have written it: never a UnicodeDecodeError
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
 class FairPull:

@@ -31,6 +31,7 @@ from genpool.schemas.keys import (
     JOB_TTL_S,
     RELEASED_IDLE_MS,
     RESULT_TTL_S,
+    field_text,
     hash_tag,
 )
 from genpool.schemas.scripting import Script, pipelined
@@ -148,9 +149,7 @@ class Outbox:
         states = pipelined(r, ops, lambda pipe, op: pipe.hget(self.keys.job(op.job_id), "state"))
         out = []
         for op, state in zip(ops, states):
-            if isinstance(state, bytes):
-                state = state.decode("utf-8", "replace")
-            if isinstance(state, str) and state in FINISHED_STATES:
+            if not isinstance(state, Exception) and field_text(state) in FINISHED_STATES:
                 out.append(Write("ack", op.job, fenced=False, ends=True))
                 continue
             e = op.job.entry

@@ -8,7 +8,7 @@ from typing import Sequence
 import redis
 
 from genpool.schemas import Keys
-from genpool.schemas.keys import MAX_LANE_SHARDS, META_TTL_S, check_memory_policy
+from genpool.schemas.keys import MAX_LANE_SHARDS, META_TTL_S, check_memory_policy, field_text
 from genpool.schemas.scripting import Script
 from genpool.schemas.scripts import SHARDS_LUA
 from genpool.workers.job import Entry
@@ -79,9 +79,7 @@ def ensure_groups(r: redis.Redis, keys: Keys) -> None:
                 raise
 
 
-def s(v) -> str:
-    """Bytes from Redis as text: anyone may have written them, so never a UnicodeDecodeError."""
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+s = field_text  # (the short name the worker's modules import)
 
 
 def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:

@@ -23,6 +23,7 @@ from genpool.engine.resume import ResumeState
 from genpool.schemas import RestartEvent, ResumeEvent, TokenEvent
 from genpool.schemas.events import PromptScores, parse_event
 from genpool.schemas.keys import field_int
+from genpool.schemas.keys import field_text as _s
 from genpool.schemas.scripting import pipelined
 from genpool.workers.job import Job
 
@@ -135,8 +136,6 @@ def _why_not(log: _Log, n: int, identity: ModelIdentity) -> str:
     return theirs.mismatch(identity) or ""
 
 
-def _s(v) -> str:  # another writer's bytes: never a UnicodeDecodeError
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
 def _seq(fields: dict) -> Optional[int]:
