@@ -78,6 +78,15 @@ class FileStore:
         key = valid_id(self.keys.file, fid)
         return await self.r.hget(key, "content") if key else None
 
+    async def uploaded_bytes(self, owner: str) -> int:
+        """The bytes of `owner`'s uploaded files (purpose batch) still kept."""
+        ids = await self.r.zrange(self.keys.files, 0, -1)
+        pipe = self.r.pipeline(transaction=False)
+        for fid in ids:
+            pipe.hget(self.keys.file(fid), "record")
+        recs = [FileRecord.model_validate_json(x) for x in await pipe.execute() if x]
+        return sum(r.bytes for r in recs if r.owner == owner and r.purpose == "batch")
+
     async def delete(self, fid: str) -> None:
         await self.r.delete(self.keys.file(fid))
         await self.r.zrem(self.keys.files, fid)

@@ -140,6 +140,9 @@ def _batch_args(p) -> None:
     """The Files and Batch API (producer/openai_batches.py)."""
     p.add_argument("--max-file-bytes", type=int, default=64 << 20, metavar="N",
                    help="the largest /v1/files upload (files are kept in Redis)")
+    p.add_argument("--files-max-bytes", type=int, default=512 << 20, metavar="N",
+                   help="a tenant's uploaded files hold at most this many bytes (until deleted or "
+                        "expired after 30 days); an upload past it is a 429")
     p.add_argument("--batch-window", type=float, default=None, metavar="SECONDS",
                    help="how long a batch's completion_window ('24h') lasts here (default: what it "
                         "says; tests shorten it)")
@@ -165,16 +168,17 @@ def _batch_options(a: argparse.Namespace):
     from .batch_webhooks import WebhookOptions
     from .openai_batches import BatchOptions
 
-    if min(a.max_file_bytes, a.batch_in_flight, a.batch_max_active_bytes) < 1 or (
+    if min(a.max_file_bytes, a.files_max_bytes, a.batch_in_flight, a.batch_max_active_bytes) < 1 or (
             a.batch_window is not None and not a.batch_window > 0):
-        raise ValueError("--max-file-bytes, --batch-in-flight, --batch-max-active-bytes and "
-                         "--batch-window must be > 0")
+        raise ValueError("--max-file-bytes, --files-max-bytes, --batch-in-flight, "
+                         "--batch-max-active-bytes and --batch-window must be > 0")
     hook = None if a.batch_webhook is None else WebhookOptions(
         a.batch_webhook, value("GENPOOL_WEBHOOK_SECRET") or "", a.batch_webhook_tries,
         a.batch_webhook_backoff)
     return BatchOptions(window_s=a.batch_window, max_file_bytes=a.max_file_bytes,
                         drive=not a.no_batch_driver, webhook=hook, in_flight=a.batch_in_flight,
-                        max_active_bytes=a.batch_max_active_bytes)
+                        max_active_bytes=a.batch_max_active_bytes,
+                        max_tenant_file_bytes=a.files_max_bytes)
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from genpool.schemas.batches import (
     BATCH_TICK_S,
     COMPLETION_WINDOWS,
     MAX_ACTIVE_BATCH_BYTES,
+    MAX_TENANT_FILE_BYTES,
     MAX_FILE_BYTES,
     BatchRecord,
     BatchView,
@@ -50,6 +51,7 @@ class BatchOptions:
     webhook: Optional[WebhookOptions] = None  # a signed POST when a batch ends
     in_flight: int = BATCH_IN_FLIGHT  # lines of one batch submitted and unanswered at once
     max_active_bytes: int = MAX_ACTIVE_BATCH_BYTES  # a tenant's unended batches' input, at most
+    max_tenant_file_bytes: int = MAX_TENANT_FILE_BYTES  # a tenant's uploaded files, at most
 
 
 class BatchAPI:

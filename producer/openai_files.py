@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from genpool.schemas.batches import (
     BAD_LINES_SHOWN,
+    FILE_TTL_S,
     MAX_BATCH_LINES,
     MAX_LIST_LIMIT,
     FileRecord,
@@ -122,6 +123,23 @@ async def read_upload(request: Request, max_bytes: int,
         await form.close()
 
 
+async def file_room(api, tenant: str, size: int) -> None:
+    """APIError(429) unless `tenant`'s uploaded files leave room for `size` more bytes."""
+    limit = api.options.max_tenant_file_bytes
+    held = await api.files.uploaded_bytes(tenant)
+    if held + size > limit:
+        raise APIError(429, f"this tenant's uploaded files hold {held} bytes; with this upload's "
+                            f"{size} that is over the limit of {limit}: delete files (they "
+                            f"expire after {FILE_TTL_S // 86400} days)",
+                       type_="rate_limit_exceeded", code="file_storage_limit_exceeded")
+
+
+def declared_file_bytes(request: Request) -> int:
+    """At least how many bytes the upload's file has, by its Content-Length (0 when unknown)."""
+    size = request.headers.get("content-length", "")
+    return max(0, int(size) - FORM_SLACK) if size.isascii() and size.isdigit() else 0
+
+
 def list_args(request: Request) -> tuple[Optional[str], int]:
     """`after` and `limit` of a list request (OpenAI's cursor pagination)."""
     q = request.query_params
@@ -150,6 +168,7 @@ def install_file_routes(app: FastAPI, api) -> None:
     @app.post("/v1/files")
     async def upload(request: Request):
         tenant = await api.authorize(request)
+        await file_room(api, tenant, declared_file_bytes(request))  # before the body is read
         # an upload holds a connection (and up to a file's bytes) while it arrives: counted as
         # a completion is, so one client's slow uploads cannot take every place
         release = api.gw.open.enter(api.gw.caller(request))
@@ -162,6 +181,7 @@ def install_file_routes(app: FastAPI, api) -> None:
         # checked on the check threads: a 64 MB file's lines take a second or more to parse
         text, n = await asyncio.get_running_loop().run_in_executor(api.gw.checks, parse_upload,
                                                                   data)
+        await file_room(api, tenant, len(data))
         rec = FileRecord(id=f"file-{uuid.uuid4().hex[:24]}", bytes=len(data),
                          created_at=int(time.time()), filename=filename, purpose="batch",
                          lines=n, owner=tenant)

@@ -24,6 +24,11 @@ MAX_BATCH_LINES = 50_000  # OpenAI's bound per batch file
 # file's lines into Redis, so without it one 64 MiB file and a loop of 200-byte creates would
 # fill Redis (which refuses every write once full). OpenAI bounds batches' enqueued tokens alike.
 MAX_ACTIVE_BATCH_BYTES = 256 << 20
+# A tenant's uploaded files hold at most this many bytes: files live in Redis for FILE_TTL_S, so
+# without it a loop of 64 MiB uploads would fill it. Batch output and error files are not counted
+# (their batches' inputs bound them). Twice MAX_ACTIVE_BATCH_BYTES: a tenant can keep the inputs
+# of its running batches and upload the next ones.
+MAX_TENANT_FILE_BYTES = 512 << 20
 FILE_TTL_S = 30 * 86400  # how long an uploaded or produced file is kept
 # A batch's keys (record, lines, results, lease) outlive its window by this much, so its status
 # and files can be read after it ends.

@@ -3,6 +3,7 @@ none of them (404, as for an id that does not exist), and a batch's jobs run as 
 A gateway with stored keys (issue 31), a fake-engine worker, the official client."""
 from __future__ import annotations
 
+import http.client
 import io
 import time
 
@@ -11,6 +12,7 @@ import pytest
 
 from genpool.producer.batch_lines import line_job_id
 from genpool.producer.keys_store import KeyStore
+from genpool.producer.openai_files import FORM_SLACK
 from genpool.schemas import Keys
 from genpool.schemas.connection import connect
 from tests.batch_api_helpers import Gateway, fake_worker, jsonl, line, wait_done
@@ -159,6 +161,50 @@ def test_a_tenants_unended_batches_are_bounded_in_bytes(redis_url, tmp_path):
             create(a)
         assert e.value.code == "batch_limit_exceeded", e.value
         assert create(b).status in ("validating", "in_progress")
+    finally:
+        gw.stop()
+        r.close()
+        drop_prefix(redis_url, prefix)
+
+
+def test_a_tenants_uploaded_files_are_bounded_in_bytes(redis_url, tmp_path):
+    """Files are kept in Redis for 30 days: a loop of uploads would fill it. Past
+    --files-max-bytes a tenant's upload is a 429 (before its body is read when it says its
+    length); deleting a file frees its bytes, and another tenant's uploads are not held."""
+    prefix = new_prefix("fbytes")
+    r = connect(redis_url, decode_responses=True)
+    store = KeyStore(r, Keys(prefix))
+    key_a, _ = store.create("team-a", [], 1)
+    key_b, _ = store.create("team-b", [], 1)
+    data = jsonl([line(f"x{i}", f"p {i}") for i in range(10)])
+    gw = Gateway(redis_url, prefix, tmp_path, "gw", "--stored-keys", "--no-batch-driver",
+                 "--files-max-bytes", str(2 * len(data) + 10))
+    try:
+        gw.start()
+        a, b = as_key(gw, key_a), as_key(gw, key_b)
+
+        def upload(c: openai.OpenAI):
+            return c.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        first, _ = upload(a), upload(a)
+        with pytest.raises(openai.RateLimitError) as e:
+            upload(a)
+        assert e.value.code == "file_storage_limit_exceeded", e.value
+        # a body that says it is over the room left, and never comes: refused at once (the
+        # gateway would wait --idle-timeout, 5 s, for a body it reads, then answer 408)
+        host, port = gw.base.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=3)
+        try:
+            conn.putrequest("POST", "/v1/files")
+            conn.putheader("Authorization", f"Bearer {key_a}")
+            conn.putheader("Content-Type", "multipart/form-data; boundary=x")
+            conn.putheader("Content-Length", str(FORM_SLACK + 100))
+            conn.endheaders()
+            assert conn.getresponse().status == 429
+        finally:
+            conn.close()
+        assert upload(b).bytes == len(data)
+        a.files.delete(first.id)
+        assert upload(a).bytes == len(data)
     finally:
         gw.stop()
         r.close()
