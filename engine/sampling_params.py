@@ -23,7 +23,9 @@ MAX_TEMPERATURE = 100.0
 MAX_N = 128
 MAX_STOP_LEN = 1024  # characters per stop string (checked against the text every token)
 MAX_STOP_STRINGS = 64
-MAX_SEED = 2**63  # exclusive; torch generators take 64-bit seeds
+# seeds are int64, as OpenAI's and vLLM's: [MIN_SEED, MAX_SEED); engine/randomness.py keys its
+# draws on the seed's 64 bits, so every seed in range draws its own stream
+MIN_SEED, MAX_SEED = -(2**63), 2**63
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI caps the value, not the count)
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 all but forces it
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -137,8 +139,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None and not MIN_SEED <= self.seed < MAX_SEED:
+            raise ValueError(f"seed must be a 64-bit signed int, in [-2**63, 2**63), got {self.seed}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

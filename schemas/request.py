@@ -85,7 +85,7 @@ class JobRequest(BaseModel):
                                       le=MAX_REPETITION_PENALTY)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**63)  # int64, as OpenAI's
     stop: list[StopString] = Field(default_factory=list, max_length=16)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False

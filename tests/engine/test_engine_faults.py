@@ -97,7 +97,7 @@ def test_sampler_guards_each_row():
 
 
 @pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1e-45), dict(repetition_penalty=1e9),
-                                    dict(temperature=1e9), dict(n=10_000), dict(seed=-1),
+                                    dict(temperature=1e9), dict(n=10_000), dict(seed=-(2**63) - 1),
                                     dict(seed=2**70), dict(stop=["x" * 5000])])
 def test_sampling_params_refuse_values_that_could_overflow(kwargs):
     with pytest.raises(ValueError):

@@ -149,6 +149,21 @@ def test_logit_bias_forces_and_bans_a_token(pool):
             c.completions.create(**kw, logit_bias=bad)
 
 
+def test_any_int64_seed_is_taken_and_repeats(pool):
+    """OpenAI and vLLM take any 64-bit signed seed: a negative one samples reproducibly (the same
+    text twice) and differently from another seed; one past int64 is a 400."""
+    c = pool["client"]
+    kw = dict(model="tiny", prompt="the weather", max_tokens=12, temperature=1.5)
+    texts = {seed: [c.completions.create(**kw, seed=seed).choices[0].text for _ in range(2)]
+             for seed in (-5, -(2**63), 2**63 - 1)}
+    for seed, (a, b) in texts.items():
+        assert a == b, seed
+    assert len({t[0] for t in texts.values()}) > 1
+    for bad in (2**63, -(2**63) - 1):
+        with pytest.raises(openai.BadRequestError, match="seed"):
+            c.completions.create(**kw, seed=bad)
+
+
 def test_chat_logprobs_streamed_equal_non_streamed(pool):
     c = pool["client"]
     kw = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
