@@ -35,6 +35,16 @@ def batch_ttl_s(rec: BatchRecord) -> int:
     return max(1, rec.expires_at - int(time.time())) + BATCH_RETENTION_S
 
 
+async def every_record(r, index: str, key_of, model: type[T]) -> list[T]:
+    """The records of every id in the sorted set `index` that still has one (a tenant's bounds
+    sum them: a few hundred bytes a record, one round trip for all)."""
+    ids = await r.zrange(index, 0, -1)
+    pipe = r.pipeline(transaction=False)
+    for rid in ids:
+        pipe.hget(key_of(rid), "record")
+    return [model.model_validate_json(x) for x in await pipe.execute() if x]
+
+
 async def page(r, index: str, after: Optional[str], limit: int, load) -> tuple[list, bool]:
     """Newest first, `limit` records after the id `after`: (records, has_more). `load(ids)` gives
     the visible records of those ids (None for one that is gone or not the caller's); ids whose
@@ -80,11 +90,7 @@ class FileStore:
 
     async def uploaded_bytes(self, owner: str) -> int:
         """The bytes of `owner`'s uploaded files (purpose batch) still kept."""
-        ids = await self.r.zrange(self.keys.files, 0, -1)
-        pipe = self.r.pipeline(transaction=False)
-        for fid in ids:
-            pipe.hget(self.keys.file(fid), "record")
-        recs = [FileRecord.model_validate_json(x) for x in await pipe.execute() if x]
+        recs = await every_record(self.r, self.keys.files, self.keys.file, FileRecord)
         return sum(r.bytes for r in recs if r.owner == owner and r.purpose == "batch")
 
     async def delete(self, fid: str) -> None:
@@ -122,11 +128,7 @@ class BatchStore:
 
     async def active_bytes(self, owner: str) -> int:
         """The input bytes of `owner`'s batches that have not ended."""
-        ids = await self.r.zrange(self.keys.batches_active, 0, -1)
-        pipe = self.r.pipeline(transaction=False)
-        for bid in ids:
-            pipe.hget(self.keys.batch(bid), "record")
-        recs = [BatchRecord.model_validate_json(x) for x in await pipe.execute() if x]
+        recs = await every_record(self.r, self.keys.batches_active, self.keys.batch, BatchRecord)
         return sum(r.input_bytes for r in recs if r.owner == owner)
 
     async def get(self, bid: str) -> Optional[BatchView]:

@@ -22,8 +22,8 @@ from genpool.schemas.batches import (
     BATCH_TICK_S,
     COMPLETION_WINDOWS,
     MAX_ACTIVE_BATCH_BYTES,
-    MAX_TENANT_FILE_BYTES,
     MAX_FILE_BYTES,
+    MAX_TENANT_FILE_BYTES,
     BatchRecord,
     BatchView,
 )

@@ -63,6 +63,14 @@ def narrow(redis_url, tmp_path):
         drop_prefix(redis_url, prefix)
 
 
+def two_tenants(redis_url: str, name: str):
+    """A new prefix, a connection and stored keys of tenants team-a and team-b."""
+    prefix = new_prefix(name)
+    r = connect(redis_url, decode_responses=True)
+    store = KeyStore(r, Keys(prefix))
+    return prefix, r, store.create("team-a", [], 1)[0], store.create("team-b", [], 1)[0]
+
+
 def as_key(gw: Gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.base}/v1", api_key=key, max_retries=0)
 
@@ -140,11 +148,7 @@ def test_one_tenants_batch_does_not_hold_back_anothers(narrow):
 def test_a_tenants_unended_batches_are_bounded_in_bytes(redis_url, tmp_path):
     """Each batch copies its file's lines into Redis: one file and a loop of creates would fill
     it. Past --batch-max-active-bytes a tenant's create is a 429; another tenant's is not held."""
-    prefix = new_prefix("bbytes")
-    r = connect(redis_url, decode_responses=True)
-    store = KeyStore(r, Keys(prefix))
-    key_a, _ = store.create("team-a", [], 1)
-    key_b, _ = store.create("team-b", [], 1)
+    prefix, r, key_a, key_b = two_tenants(redis_url, "bbytes")
     data = jsonl([line(f"x{i}", f"p {i}") for i in range(10)])
     gw = Gateway(redis_url, prefix, tmp_path, "gw", "--stored-keys",
                  "--batch-max-active-bytes", str(2 * len(data) + 10))
@@ -171,11 +175,7 @@ def test_a_tenants_uploaded_files_are_bounded_in_bytes(redis_url, tmp_path):
     """Files are kept in Redis for 30 days: a loop of uploads would fill it. Past
     --files-max-bytes a tenant's upload is a 429 (before its body is read when it says its
     length); deleting a file frees its bytes, and another tenant's uploads are not held."""
-    prefix = new_prefix("fbytes")
-    r = connect(redis_url, decode_responses=True)
-    store = KeyStore(r, Keys(prefix))
-    key_a, _ = store.create("team-a", [], 1)
-    key_b, _ = store.create("team-b", [], 1)
+    prefix, r, key_a, key_b = two_tenants(redis_url, "fbytes")
     data = jsonl([line(f"x{i}", f"p {i}") for i in range(10)])
     gw = Gateway(redis_url, prefix, tmp_path, "gw", "--stored-keys", "--no-batch-driver",
                  "--files-max-bytes", str(2 * len(data) + 10))
