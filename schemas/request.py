@@ -16,6 +16,7 @@ from .structured import StructuredOutputs
 from .tenants import DEFAULT_TENANT, TENANT_CHARS
 
 MAX_PROMPT_CHARS = 1_000_000
+MAX_PROBLEMS_SHOWN = 8  # of a request's validation problems, in its error message
 MAX_ID_LEN = 128
 # Job ids name Redis keys ({p}:job:{<id>}), so they may not hold ':' or braces: no id can then
 # spell another job's key or move its keys out of their {<id>} hash tag (docs/protocol.md).
@@ -70,11 +71,13 @@ class JobRequest(BaseModel):
                     pattern=ID_PATTERN)
     model: Optional[str] = Field(default=None, min_length=1, max_length=256)
     prompt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
-    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1, max_length=1000)
+    # fail_fast on lists: a hostile list of a million bad items is one error, not a million
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1, max_length=1000,
+                                                  fail_fast=True)
     # a prompt already tokenized with the model's tokenizer (OpenAI's token-id prompts;
     # lm-eval-harness sends them): used as given, no special tokens added
     prompt_token_ids: Optional[list[TokenId]] = Field(default=None, min_length=1,
-                                                      max_length=MAX_PROMPT_CHARS)
+                                                      max_length=MAX_PROMPT_CHARS, fail_fast=True)
 
     n: int = Field(default=1, ge=1, le=16)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
@@ -86,8 +89,8 @@ class JobRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**63)  # int64, as OpenAI's
-    stop: list[StopString] = Field(default_factory=list, max_length=16)
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    stop: list[StopString] = Field(default_factory=list, max_length=16, fail_fast=True)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64, fail_fast=True)
     ignore_eos: bool = False
     max_tokens: int = Field(default=16, ge=0, le=1_000_000)  # 0: only with prompt_logprobs
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
@@ -162,10 +165,12 @@ class JobRequest(BaseModel):
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem, naming the field and what was sent; unknown fields listed clearly."""
-    parts = []
-    for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) for p in err["loc"]) or "request"
+    """One part per problem, naming the field and what was sent; unknown fields listed clearly.
+    The first MAX_PROBLEMS_SHOWN, then a count of the rest: the message goes to the job's stream
+    and hash, and a hostile request can hold thousands of problems."""
+    parts, errors = [], exc.errors(include_url=False)
+    for err in errors[:MAX_PROBLEMS_SHOWN]:
+        loc = _cut(".".join(str(p) for p in err["loc"]) or "request", 200)
         if err["type"] == "extra_forbidden":
             parts.append(f"unknown field {loc!r}")
             continue
@@ -174,11 +179,15 @@ def describe_validation_error(exc: ValidationError) -> str:
             parts.append(f"{loc}: {msg} (got {_short(err.get('input'))})")
         else:
             parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
+    more = len(errors) - MAX_PROBLEMS_SHOWN
+    return "; ".join(parts) + (f"; and {more} more problems" if more > 0 else "")
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

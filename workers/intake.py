@@ -19,13 +19,35 @@ from genpool.workers.job import Entry, Job, _b
 
 __all__ = ["Entry", "MAX_PAYLOAD_BYTES", "parse_entry"]
 
-_ID_RE = re.compile(rb'"id"\s*:\s*"(' + JOB_ID_CHARS.encode() + rb')"')
+# a JSON string (escapes skipped whole) or a bracket: what _recover_id walks, in C, not per byte
+_TOKEN_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]', re.S)
+_ID_VALUE_RE = re.compile(rb'\s*:\s*"(' + JOB_ID_CHARS.encode() + rb')"')
 MAX_PAYLOAD_BYTES = 8 << 20  # a request above this is refused before any JSON parsing
+# strings and brackets _recover_id looks at, at most: ~40 ms of the engine loop (a real job's
+# messages are a few tokens each; 8 MB of "[" would take seconds)
+_RECOVER_TOKENS = 200_000
 
 
 def _recover_id(raw: bytes) -> Optional[str]:
-    m = _ID_RE.search(raw[:MAX_PAYLOAD_BYTES])
-    return m.group(1).decode() if m else None
+    """The top-level "id" of an entry that does not parse (bad UTF-8, cut short, too big), or
+    None. Only the outer object's key counts: an "id" in metadata or a tool call names another
+    job or none, and an error sent there would leave this job unanswered."""
+    raw, stack = raw[:MAX_PAYLOAD_BYTES], []
+    for n, m in enumerate(_TOKEN_RE.finditer(raw)):
+        if n == _RECOVER_TOKENS:  # a flood of brackets: give up (the entry is dead-lettered)
+            return None
+        tok = m.group()
+        if tok in (b"{", b"["):
+            stack.append(tok)
+        elif tok in (b"}", b"]"):
+            if not stack:
+                return None
+            stack.pop()
+        elif tok == b'"id"' and stack == [b"{"]:
+            v = _ID_VALUE_RE.match(raw, m.end())
+            if v:
+                return v.group(1).decode()
+    return None
 
 
 def _fail(entry: Entry, job_id: Optional[str], code: str, message: str) -> Job:

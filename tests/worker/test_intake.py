@@ -96,3 +96,45 @@ def test_a_cost_that_is_no_ascii_number_charges_nothing_and_raises_nothing():
         job = parse_entry(entry({b"job": json.dumps({"id": "c1", "prompt": "hi"}).encode(),
                                  b"cost": cost}), SERVED)
         assert UsageCount.of(job, done).charged == charged, cost
+
+
+def test_an_unreadable_entry_is_told_to_its_own_job_not_a_nested_id():
+    """A job that cannot be parsed is answered under its own top-level id. An "id" inside a
+    nested object (metadata, a tool call) is another job's id or none: an error there would land
+    on that job's hash (or be dropped as a duplicate) while this one waited for ever."""
+    cases = {
+        b'{"metadata": {"id": "order-77"}, "id": "job-1", "prompt": "caf\xe9"}': "job-1",
+        b'{"tools": [{"id": "call_9"}], "id": "job-2", "prompt": "x",': "job-2",
+        b'{"prompt": "\\"id\\": \\"fake\\"", "id": "job-3", "x": "\xff"}': "job-3",
+        b'{"metadata": {"id": "order-77"}, "prompt": "\xff"}': None,
+        b'[{"id": "in-a-list"}, "\xff"]': None,
+    }
+    for raw, want in cases.items():
+        p = parse(raw)
+        assert not p.ok and p.job_id == want, (raw, p.job_id)
+        assert (p.dead_reason is None) == (want is not None)
+    import time
+    t = time.perf_counter()  # the id is looked for in bounded time, even in 8 MB of brackets
+    assert parse(b"[" * MAX_PAYLOAD_BYTES + b'"\xff"').dead_reason
+    assert time.perf_counter() - t < 1.0
+
+
+def test_a_flood_of_validation_errors_is_summed_up_fast_and_short():
+    """A 3 MB list of bad token ids was a million pydantic errors: seconds of the engine loop and
+    a message of tens of MB written to the job's stream and hash. Lists stop at their first bad
+    item, and the message names a few problems and counts the rest."""
+    import time
+    cases = [{"prompt_token_ids": [-1] * 1_000_000}, {"stop_token_ids": [-1] * 200_000, "prompt": "x"},
+             {"prompt": "x", **{f"bogus{i}": 1 for i in range(5000)}},
+             {"prompt": "x", "logit_bias": {"k" * 100_000 + str(i): 1 for i in range(20)}},
+             {"messages": [{"role": "nobody", "content": 1}] * 100_000}]
+    for extra in cases:
+        raw = json.dumps({"id": "flood", **extra}).encode()
+        t = time.perf_counter()
+        p = parse(raw)
+        took = time.perf_counter() - t
+        assert not p.ok and p.job_id == "flood" and p.error.code == "invalid_request"
+        assert len(p.error.message) <= 4000, (list(extra)[0], len(p.error.message))
+        assert took < 1.0, (list(extra)[0], took)
+    many = parse(json.dumps({"id": "m", "prompt": "x", **{f"b{i}": 1 for i in range(50)}}).encode())
+    assert "unknown field 'b0'" in many.error.message and "more" in many.error.message
