@@ -46,7 +46,7 @@ def check_prompt(ids: list[int], vocab: int, max_model_len: int, capacity: int) 
 
 def cap_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
     """prompt + max_tokens held to max_model_len (None: as many as fit), as the worker's admission
-    assumes (workers/admission.py's blocks_needed)."""
+    assumes (workers/jobs.py's blocks_needed)."""
     room = max_model_len - prompt_len
     if params.max_tokens is None or params.max_tokens > room:
         params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))

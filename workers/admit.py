@@ -21,21 +21,27 @@ log = logging.getLogger("genpool.worker")
 
 
 class Intake(Preparer):
-    """The preparer, plus the prepared jobs whose ownership claim Redis refused (a write
-    refused: OOM, NOREPLICAS). They stay held (kept fresh: a reclaim would count a delivery of
-    a job that never ran, and enough of those dead-letter it) and are claimed again with the
-    next admission; they count as pending, so the worker pulls no more than it can run."""
+    """The preparer, plus the prepared jobs held back: those whose ownership claim Redis
+    refused (a write refused: OOM, NOREPLICAS), and those whose tenant is at its concurrency
+    cap. Both stay held (kept fresh: a reclaim would count a delivery of a job that never ran,
+    and enough of those dead-letter it) and are tried again with the next admission. Refused
+    claims count as pending, so the worker pulls no more than it can run. Capped jobs do not:
+    they cannot run until their tenant's own jobs end, and counted, the few entries of one
+    read kept the worker from pulling any other tenant's work (fair pull skips the full tenant
+    meanwhile, so they stay as many as that one read took)."""
 
     def __init__(self, prepare):
         super().__init__(prepare)
         self.unclaimed: list[Job] = []
+        self.capped: list[Job] = []
 
     @property
     def pending(self) -> int:
         return super().pending + len(self.unclaimed)
 
     def ready(self) -> list[Job]:
-        out, self.unclaimed = self.unclaimed + super().ready(), []
+        out = self.unclaimed + self.capped + super().ready()
+        self.unclaimed, self.capped = [], []
         return out
 
 
@@ -90,7 +96,7 @@ class Admission:
 
     def _within_caps(self, jobs: list[Job]) -> list[Job]:
         """The jobs whose tenant has a concurrency slot for them; the others stay held (kept
-        fresh, counted as pending) and are tried again with the next admission."""
+        fresh, not counted as pending: Intake) and are tried again with the next admission."""
         if self.caps is None or not jobs:
             return jobs
         try:
@@ -102,7 +108,7 @@ class Admission:
         for j in jobs:
             if id(j) in waiting:
                 j.entry.origin = ""  # routed once already
-                self.preparer.unclaimed.append(j)
+                self.preparer.capped.append(j)
         return [j for j in jobs if id(j) not in waiting]
 
     def _settle_all(self, jobs: list[Job]) -> None:

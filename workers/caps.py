@@ -1,7 +1,7 @@
 """Tenants' pool-wide concurrency caps (TenantLimits.max_concurrent; issue 31), at claim time.
 
 Before a tenant's job is claimed, it takes a slot in the tenant's running set (SLOT_LUA); at
-the cap, the job stays held by this worker (its entry kept fresh, counted as pending) and is
+the cap, the job stays held by this worker (its entry kept fresh, not counted as a taken slot) and is
 tried again at the next admission, and fair pull skips the tenant meanwhile (workers/fair.py).
 The lease thread renews the slots this worker holds; a job's end frees its slot with the next
 admission or renewal; a worker that dies leaks nothing (its slots lapse after `slot_ms`). Only

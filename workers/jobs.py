@@ -238,11 +238,15 @@ class JobTable:
                              kv_total, block_size)
 
 
-def blocks_needed(job: Job, block_size: int) -> int:
-    """Upper bound on the KV blocks a job can hold (prefix sharing only lowers it): prompt +
-    max_tokens as the engine caps them to the model's length (job.max_len), or a max_tokens far
-    beyond it (10**6) would count as more than the whole cache and admit no one else."""
-    return job.req.n * math.ceil(job.max_len / block_size)
+def blocks_needed(job: Job, block_size: int, kv_total: int) -> int:
+    """A bound on the KV blocks a job can hold: its prompt once (its n samples share its
+    blocks) and each sample's tokens to the model's length (job.max_len caps prompt +
+    max_tokens), at most half the cache. Uncapped, one job of n=16 counted more than the whole
+    cache and the worker pulled nothing else while it ran; past its bound the engine preempts
+    and recomputes instead."""
+    prompt = job.prompt_tokens // block_size  # whole blocks: shared (a partial one is copied)
+    per_sample = math.ceil(job.max_len / block_size) - prompt
+    return min(prompt + job.req.n * per_sample, max(1, kv_total // 2))
 
 
 def free_capacity(stats: EngineStats, running: list[Job], max_seqs: int, kv_total: int,
@@ -251,7 +255,7 @@ def free_capacity(stats: EngineStats, running: list[Job], max_seqs: int, kv_tota
     the jobs held (sized by their average, since unread jobs' sizes are unknown)."""
     seqs = sum(j.req.n for j in running)
     slots = min(stats.free_seq_slots, max_seqs - seqs)
-    held = [blocks_needed(j, block_size) for j in running]
+    held = [blocks_needed(j, block_size, kv_total) for j in running]
     per_job = max(1, sum(held) // len(held)) if held else 1
     kv_room = (kv_total - sum(held)) // per_job
     return max(0, min(slots, kv_room))

@@ -13,6 +13,7 @@ import time
 from contextlib import ExitStack
 
 from genpool.producer.keys_store import KeyStore
+from genpool.schemas.keys import FINISHED_STATES
 from genpool.schemas.tenant_records import TenantLimits
 from genpool.schemas.tenants import TenantKeys
 from tests.fake_engine import FakeEngine
@@ -101,3 +102,35 @@ def test_a_lost_running_set_is_rebuilt_by_the_renewals(redis_url):
             assert c.redis.pttl(running) > 0
             for j in jobs:
                 assert j.result(timeout=60).ok
+
+
+def test_jobs_held_at_a_tenants_cap_leave_the_worker_free_for_others(redis_url):
+    """A worker's first read can take many entries of a capped tenant before it learns the
+    tenant is full. Held for the cap, they are not running: counted as taken slots, they kept
+    the worker from pulling other tenants' jobs, which came in one at a time as the capped
+    tenant's jobs ended. Another tenant's jobs now run side by side beside the backlog."""
+    with client_env(redis_url, "capheld") as (url, prefix, c):
+        KeyStore(c.redis, c.keys).set_limits("acme", TenantLimits(max_concurrent=1))
+        engine = FakeEngine(max_num_seqs=8, step_delay=0.01)
+        # queued before the worker starts: its first read takes a slot's worth of them at once
+        backlog = c.submit_many([{"prompt": f"a{i}", "max_tokens": 60, "tenant": "acme",
+                                  "job_id": f"acme-{i}"} for i in range(10)])
+        seen, stop = [], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                seen.append(running_of([engine], "beta-"))
+                time.sleep(0.002)
+        with worker_thread(engine, url, prefix):
+            wait_for(lambda: running_of([engine], "acme-") == 1, 30, what="acme running")
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            others = c.submit_many([{"prompt": f"b{i}", "max_tokens": 30, "tenant": "beta",
+                                     "job_id": f"beta-{i}"} for i in range(6)])
+            for j in others:
+                assert j.result(timeout=60).ok
+            stop.set()
+            sampler.join(5)
+            for j in backlog:
+                assert j.result(timeout=120).ok
+        assert max(seen) >= 4, max(seen)  # side by side (one at a time before)

@@ -3,6 +3,7 @@ claim answer means. (The end-to-end tests in this folder run the same code on a 
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -213,3 +214,26 @@ def test_a_token_id_prompt_longer_than_the_model_is_refused_at_admission():
     assert job.error is not None and job.error.code == "invalid_request"
     assert f"prompt is {t.engine.max_model_len + 1} tokens" in job.error.message
     assert t.claimed(prompt=None, prompt_token_ids=[5] * 8).error is None
+
+
+def test_one_job_with_many_samples_does_not_shut_the_worker():
+    """A job's KV bound counts its prompt once (its n samples share it) and at most half the
+    cache: n=16 with the longest max_tokens counted n whole sequences, more than the cache, and
+    the worker pulled nothing else until it ended (the engine shares, preempts and recomputes)."""
+    from genpool.workers.jobs import blocks_needed, free_capacity
+
+    t = Table()
+    stats = t.engine.stats()
+    kv_total, bs = stats.kv_blocks_total, stats.block_size
+    long = t.claimed(n=16, max_tokens=10**6)
+    assert t.jobs.start(long)
+    assert free_capacity(stats, [long], 64, kv_total, bs) >= 1
+    assert blocks_needed(long, bs, kv_total) == kv_total // 2
+    small = t.claimed(max_tokens=3)
+    assert t.jobs.start(small)
+    assert blocks_needed(small, bs, kv_total) == math.ceil(small.max_len / bs)
+    shared = t.claimed(prompt="hello " * 100, n=4, max_tokens=3)
+    assert t.jobs.start(shared)
+    whole = shared.prompt_tokens // bs
+    assert whole >= 2 and blocks_needed(shared, bs, kv_total) == whole + 4 * (
+        math.ceil(shared.max_len / bs) - whole)
