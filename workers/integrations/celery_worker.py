@@ -16,7 +16,7 @@ import threading
 
 from celery import bootsteps
 
-from genpool.workers.integrations.celery_app import SHUTDOWN, app, configure
+from genpool.workers.integrations.celery_app import HOSTS_ENGINE, SHUTDOWN, app, configure
 from genpool.workers.integrations.flower_events import attach_flower_events, celery_hostname
 
 log = logging.getLogger("genpool.celery")
@@ -36,6 +36,7 @@ def genpool_step(gp_worker):
 
         def start(self, parent):
             attach_flower_events(gp_worker, app, hostname=parent.hostname, heartbeats=False)
+            HOSTS_ENGINE.set()  # SHUTDOWN waits for the engine's drain (stop below)
             SHUTDOWN.clear()
             self.thread = threading.Thread(target=self._run, name="genpool-worker", daemon=True)
             self.thread.start()
