@@ -14,6 +14,7 @@ import dataclasses
 import types
 import typing
 
+from genpool.schemas.config import finite
 from genpool.schemas.settings import help_default, row_for
 
 
@@ -61,7 +62,7 @@ def add_dataclass_args(group, cls) -> None:
             (item,) = typing.get_args(kind)[:1]
             kw.update(action="append", type=item, default=None)
         else:
-            kw["type"] = kind
+            kw["type"] = finite if kind is float else kind  # no NaN or infinity (schemas/config.py)
             if "choices" in meta:
                 kw["choices"] = meta["choices"]
         group.add_argument(*opts, **kw)

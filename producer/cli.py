@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args, finite, positive_seconds, seconds
 
 EXIT_FAILED, EXIT_TIMEOUT, EXIT_NO_WORKERS, EXIT_REDIS = 1, 3, 4, 5
 
@@ -32,10 +32,10 @@ def register_submit(sub) -> None:
                    help="constrain the output to match this regex (default: none: free text)")
     p.add_argument("--priority", type=int, default=0, help="< 0 interactive lane, > 0 bulk lane")
     p.add_argument("--job-id", default=None, help="job id (default: a new random one)")
-    p.add_argument("--deadline-s", type=float, default=None,
+    p.add_argument("--deadline-s", type=positive_seconds, default=None,
                    help="the job fails (error expired) after this many seconds (default: none: "
                         "no deadline)")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=seconds, default=None,
                    help="seconds to wait at most (default: none: wait until the job ends)")
     p.add_argument("--no-wait", action="store_true", help="print the job id and exit")
     p.add_argument("--json", action="store_true", help="print the final result as JSON")
@@ -49,21 +49,21 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     p.add_argument("--min-tokens", type=int, default=None,
                    help="fewest tokens before a stop (default: none: not sent, so 0)")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--temperature", type=finite, default=None,
                    help="0 = greedy (default: none: not sent, so 1.0)")
-    p.add_argument("--top-p", type=float, default=None,
+    p.add_argument("--top-p", type=finite, default=None,
                    help="nucleus sampling mass (default: none: not sent, so 1.0: off)")
     p.add_argument("--top-k", type=int, default=None,
                    help="sample among the k likeliest tokens (default: none: not sent, so -1: "
                         "off)")
-    p.add_argument("--min-p", type=float, default=None,
+    p.add_argument("--min-p", type=finite, default=None,
                    help="drop tokens below min_p x the top (default: none: not sent, so 0.0: "
                         "off)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
+    p.add_argument("--repetition-penalty", type=finite, default=None,
                    help="> 1 discourages repeats (default: none: not sent, so 1.0: off)")
-    p.add_argument("--presence-penalty", type=float, default=None,
+    p.add_argument("--presence-penalty", type=finite, default=None,
                    help="OpenAI presence penalty, -2..2 (default: none: not sent, so 0.0: off)")
-    p.add_argument("--frequency-penalty", type=float, default=None,
+    p.add_argument("--frequency-penalty", type=finite, default=None,
                    help="OpenAI frequency penalty, -2..2 (default: none: not sent, so 0.0: off)")
     p.add_argument("--seed", type=int, default=None,
                    help="per-request sampling seed (default: none: the worker's shared "

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args, count, positive_seconds, seconds
 from genpool.schemas.request import CALLER_PRIORITY_CEILING
 from genpool.schemas.settings import value
 from genpool.schemas.tenants import tenant_arg
@@ -25,7 +25,7 @@ def register_batch(sub) -> None:
                    help="write failed and unusable input lines here (one JSON line each, with "
                         "custom_id or line number) instead of into the output, as OpenAI's Batch "
                         "API does (default: failures in the output, unusable lines on stderr)")
-    p.add_argument("--max-in-flight", type=int, default=64, help="jobs queued or running at once")
+    p.add_argument("--max-in-flight", type=count, default=64, help="jobs queued or running at once")
     p.add_argument("--model", default=None,
                    help="model for lines whose body names none (default: none: such lines go to "
                         "any worker)")
@@ -89,7 +89,7 @@ def register_gateway(sub) -> None:
                    help="also accept the keys of `genpool keys create` (hashed in Redis; each "
                         "names a tenant, its models, its priority ceiling; its tenant's limits "
                         "apply); a revoked one is refused within seconds")
-    p.add_argument("--max-queue-depth", type=int, default=None,
+    p.add_argument("--max-queue-depth", type=count, default=None,
                    help="answer 429 while more jobs than this wait for a worker (default: none: "
                         "no limit)")
     p.add_argument("--priority", type=int, default=CALLER_PRIORITY_CEILING,
@@ -101,9 +101,9 @@ def register_gateway(sub) -> None:
     p.add_argument("--model", default=None,
                    help="model for requests that name none (default: none: such requests go to "
                         "any worker)")
-    p.add_argument("--no-worker-grace", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--no-worker-grace", type=seconds, default=5.0, metavar="SECONDS",
                    help="answer 503 no_workers when no live worker serves the model for this long")
-    p.add_argument("--no-worker-wait", type=float, default=60.0, metavar="SECONDS",  # gateway.NO_WORKER_WAIT_S
+    p.add_argument("--no-worker-wait", type=seconds, default=60.0, metavar="SECONDS",  # gateway.NO_WORKER_WAIT_S
                    help="a request already queued answers 503 no_workers (its job cancelled) when "
                         "no live worker has served its model this long (default: %(default)s)")
     p.add_argument("--queue-without-workers", action="store_true",
@@ -119,48 +119,48 @@ def register_gateway(sub) -> None:
 def _gateway_limits(p) -> None:
     """Connection hygiene (docs/operations.md, "The gateway's limits"); defaults are the
     modules' own, written out so --help shows them without importing fastapi."""
-    p.add_argument("--max-open", type=int, default=512, metavar="N",
+    p.add_argument("--max-open", type=count, default=512, metavar="N",
                    help="completion requests in flight at once, streamed or not; past it: 503 "
                         "gateway_busy")
-    p.add_argument("--max-open-per-client", type=int, default=32, metavar="N",
+    p.add_argument("--max-open-per-client", type=count, default=32, metavar="N",
                    help="the same, per client (its API key when keys are set, else its address); "
                         "past it: 429 too_many_open_requests")
-    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
                    help="close a connection whose request head is not complete this long after "
                         "it opened or its previous response ended")
-    p.add_argument("--idle-timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--idle-timeout", type=positive_seconds, default=5.0, metavar="SECONDS",
                    help="close a keep-alive connection idle this long; answer 408 to a request "
                         "body that sends nothing for this long")
-    p.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--send-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="drop a client that reads nothing of its response for this long, and "
                         "cancel its job")
 
 
 def _batch_args(p) -> None:
     """The Files and Batch API (producer/openai_batches.py)."""
-    p.add_argument("--max-file-bytes", type=int, default=64 << 20, metavar="N",
+    p.add_argument("--max-file-bytes", type=count, default=64 << 20, metavar="N",
                    help="the largest /v1/files upload (files are kept in Redis)")
-    p.add_argument("--files-max-bytes", type=int, default=512 << 20, metavar="N",
+    p.add_argument("--files-max-bytes", type=count, default=512 << 20, metavar="N",
                    help="a tenant's uploaded files hold at most this many bytes (until deleted or "
                         "expired after 30 days); an upload past it is a 429")
-    p.add_argument("--batch-window", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--batch-window", type=positive_seconds, default=None, metavar="SECONDS",
                    help="how long a batch's completion_window ('24h') lasts here (default: what it "
                         "says; tests shorten it)")
     p.add_argument("--no-batch-driver", action="store_true",
                    help="serve the Batch API but run no batch driver here (other gateways drive "
                         "the batches)")
-    p.add_argument("--batch-in-flight", type=int, default=256, metavar="N",
+    p.add_argument("--batch-in-flight", type=count, default=256, metavar="N",
                    help="lines of one batch submitted and not yet answered, at most (a tenant's "
                         "batches feed the bulk lane earliest deadline first)")
-    p.add_argument("--batch-max-active-bytes", type=int, default=256 << 20, metavar="N",
+    p.add_argument("--batch-max-active-bytes", type=count, default=256 << 20, metavar="N",
                    help="a tenant's batches not yet ended hold at most this many bytes of input "
                         "files; a create past it is a 429")
     p.add_argument("--batch-webhook", default=None, metavar="URL",
                    help="POST a signed event (OpenAI's shape) here when a batch ends; the key is "
                         "$GENPOOL_WEBHOOK_SECRET (default: none: no webhooks)")
-    p.add_argument("--batch-webhook-tries", type=int, default=8, metavar="N",
+    p.add_argument("--batch-webhook-tries", type=count, default=8, metavar="N",
                    help="tries before an event is dead-lettered")
-    p.add_argument("--batch-webhook-backoff", type=float, default=1.0, metavar="SECONDS",
+    p.add_argument("--batch-webhook-backoff", type=seconds, default=1.0, metavar="SECONDS",
                    help="the first retry's delay (doubling after each failure)")
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args, count, seconds
 from genpool.schemas.keys import field_float, field_int
 from genpool.schemas.tenants import DEFAULT_TENANT
 
@@ -36,7 +36,7 @@ def register_job(sub) -> None:
         q.set_defaults(func=fn)
     show.add_argument("--json", action="store_true", help="print JSON")
     for q in (stream, result):
-        q.add_argument("--timeout", type=float, default=None,
+        q.add_argument("--timeout", type=seconds, default=None,
                        help="seconds to wait at most (default: none: until the job ends)")
         q.add_argument("--json", action="store_true", help="print the final result as JSON")
 
@@ -205,7 +205,7 @@ def register_dead(sub) -> None:
                        "with the reason.", formatter_class=HELP_FMT)
     dsub = p.add_subparsers(dest="dead_command", metavar="ACTION", required=True)
     ls = dsub.add_parser("list", help="the newest dead letters", formatter_class=HELP_FMT)
-    ls.add_argument("--count", type=int, default=20, help="how many, newest first")
+    ls.add_argument("--count", type=count, default=20, help="how many, newest first")
     ls.add_argument("--json", action="store_true", help="print JSON lines")
     retry = dsub.add_parser("retry", help="re-enqueue dead-lettered jobs as new attempts",
                             formatter_class=HELP_FMT)

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args, positive
 from genpool.schemas.request import CALLER_PRIORITY_CEILING
 from genpool.schemas.tenants import API_KEY_TTL_S, tenant_arg
 
@@ -31,7 +31,7 @@ def register_keys(sub) -> None:
     c.add_argument("--priority-ceiling", type=int, default=CALLER_PRIORITY_CEILING,
                    help="the most urgent priority its requests may ask for (lower runs sooner)")
     c.add_argument("--name", default="", help="a note: who holds it")
-    c.add_argument("--days", type=float, default=API_KEY_TTL_S / 86400,
+    c.add_argument("--days", type=positive, default=API_KEY_TTL_S / 86400,
                    help="how long it is valid")
     c.set_defaults(func=cmd_create)
     ls = ks.add_parser("list", help="keys (never their secrets)", formatter_class=HELP_FMT)

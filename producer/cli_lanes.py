@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args, seconds
 from genpool.schemas.keys import JOB_ID_RE
 from genpool.schemas.repair import ENTRY_UNBIND_LUA, LANE_REPAIR_LUA
 from genpool.schemas.scripting import Script
@@ -49,7 +49,7 @@ def register_lanes(sub) -> None:
     repair = lsub.add_parser("repair", help="mend every poisoned lane in place",
                              formatter_class=HELP_FMT)
     for q, fn in ((check, cmd_check), (repair, cmd_repair)):
-        q.add_argument("--ahead-s", type=float, default=AHEAD_S,
+        q.add_argument("--ahead-s", type=seconds, default=AHEAD_S,
                        help="entry ids more than this many seconds ahead of the Redis server's "
                             "clock count as poison")
         q.add_argument("--json", action="store_true", help="print one JSON object per lane")

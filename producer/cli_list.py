@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from genpool.schemas.config import HELP_FMT, add_connection_args
+from genpool.schemas.config import HELP_FMT, add_connection_args, count
 from genpool.schemas.keys import JOB_STATES, LANES
 
 from .listing import SCAN_MAX
@@ -27,7 +27,7 @@ def register_jobs(sub) -> None:
                     help="only this lane (default: none: every lane)")
     ls.add_argument("--state", choices=JOB_STATES, default=None,
                     help="only jobs in this state (default: none: every job in the lanes)")
-    ls.add_argument("--limit", type=int, default=50, help="show at most this many")
+    ls.add_argument("--limit", type=count, default=50, help="show at most this many")
     ls.add_argument("--json", action="store_true", help="print JSON lines")
     add_connection_args(ls)
     ls.set_defaults(func=cmd_jobs_list)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 from pathlib import Path
 from typing import Optional
@@ -89,3 +90,26 @@ class HELP_FMT(argparse.HelpFormatter):
                 action.option_strings == [] or action.nargs == 0:
             return h
         return h + " (default: %(default)s)"
+
+
+# argparse types of number options: a NaN or infinite value, or a negative count or duration,
+# means nothing an option could do (`--timeout nan` waited for ever): refused at parse time
+def _number(kind, what: str, ok):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if kind is float and not math.isfinite(v) or not ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    parse.number = True  # tests/worker/test_cli_numbers.py finds every number option by it
+    parse.__name__ = what.replace(" ", "_")  # argparse names the type in its messages
+    return parse
+
+
+finite = _number(float, "a finite number", lambda v: True)
+positive = _number(float, "a number > 0", lambda v: v > 0)
+seconds = _number(float, "a number of seconds >= 0", lambda v: v >= 0)
+positive_seconds = _number(float, "a number of seconds > 0", lambda v: v > 0)
+count = _number(int, "a whole number >= 1", lambda v: v >= 1)

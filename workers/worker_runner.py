@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from genpool.schemas.config import count
 from genpool.schemas.settings import value
 
 
@@ -28,7 +29,7 @@ def add_runner_args(p: argparse.ArgumentParser) -> None:
                         "tasks, answer remote control (ping, shutdown); implies --celery-events")
     g.add_argument("--celery-queue", default=None,
                    help="Celery queue to consume (default $GENPOOL_CELERY_QUEUE or genpool)")
-    g.add_argument("--celery-concurrency", type=int, default=None,
+    g.add_argument("--celery-concurrency", type=count, default=None,
                    help="task threads (default: the worker's job capacity)")
 
 
