@@ -13,7 +13,6 @@ import time
 from contextlib import ExitStack
 
 from genpool.producer.keys_store import KeyStore
-from genpool.schemas.keys import FINISHED_STATES
 from genpool.schemas.tenant_records import TenantLimits
 from genpool.schemas.tenants import TenantKeys
 from tests.fake_engine import FakeEngine
