@@ -19,7 +19,6 @@ from genpool.schemas.workers import WorkerInfo
 
 from . import openai_tools
 from .client import CANCEL, CANCEL_FLAG, PIPELINE_CHUNK, SUBMIT, SUBMIT_JOB, SUBMIT_UNDO, added, lane_refused
-from .errors import JobNotFound
 from .fair_submit import queue_enqueue, submit_keys
 from .job import cancelled_result, raise_if_failed, replayed_result
 from .liveness import live_workers_async, serving
@@ -152,12 +151,9 @@ class AsyncJob:
             pipe = r.pipeline(transaction=True)
             pipe.hmget(keys.job(self.id), "result", "error")
             pipe.xrevrange(keys.events(self.id), count=1)
-            pipe.exists(keys.job(self.id))
             return await pipe.execute()
 
-        (res, err), last, exists = await _retrying(snapshot)
-        if not exists and not last:  # as in Job._wait_final
-            raise JobNotFound(self.id, keys.prefix)
+        (res, err), last = await _retrying(snapshot)
         final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:
             start = last[0][0] if last else "0-0"

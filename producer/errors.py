@@ -8,8 +8,6 @@
   job's model on the key prefix. A TimeoutError, so code that catches timeouts still works.
 - `QueueUnavailable`: Redis stopped answering mid-wait and did not come back within the retry
   window. A redis.ConnectionError, so code that catches those still works.
-- `JobNotFound`: no job of that id exists on the prefix (never submitted there, or its result
-  expired); a LookupError. Waiting on it would never end.
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ import redis
 
 from genpool.schemas import ErrorEvent, JobResult
 from genpool.schemas.connection import redact, redact_text
-from genpool.schemas.keys import RESULT_TTL_S
 
 
 class JobFailed(Exception):
@@ -45,16 +42,6 @@ class NoWorkers(TimeoutError):
         super().__init__(f"job {job_id} {where} no live worker serves "
                          f"{no_worker_target(model, prefix)} (waited {waited_s:.0f} s); start one "
                          f"with `{worker_command(model, prefix)}`")
-
-
-class JobNotFound(LookupError):
-    """result() of a job id with neither a job hash nor an event stream on this prefix."""
-
-    def __init__(self, job_id: str, prefix: str):
-        self.job_id, self.prefix = job_id, prefix
-        super().__init__(f"no job {job_id!r} under key prefix {prefix!r}: it was never submitted "
-                         f"there, or it ended more than {RESULT_TTL_S // 3600} h ago and its "
-                         f"result expired")
 
 
 class QueueUnavailable(redis.ConnectionError):

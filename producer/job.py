@@ -13,7 +13,7 @@ from genpool.schemas.connection import backoff, xread_one
 from genpool.schemas.workers import WorkerInfo
 
 from . import openai_tools
-from .errors import JobFailed, JobNotFound
+from .errors import JobFailed
 from .liveness import live_workers, serving
 from .protocol import READ_BLOCK_MS, READ_COUNT, events_in, last_terminal, terminal_from_hash
 from .replay import Gaps, Replay, read_events
@@ -137,12 +137,9 @@ class Job:
             pipe = self.client.redis.pipeline(transaction=True)
             pipe.hmget(keys.job(self.id), "result", "error")
             pipe.xrevrange(keys.events(self.id), count=1)
-            pipe.exists(keys.job(self.id))
             return pipe.execute()
 
-        (res, err), last, exists = retrying(snapshot)
-        if not exists and not last:  # nothing will ever be written there
-            raise JobNotFound(self.id, keys.prefix)
+        (res, err), last = retrying(snapshot)
         final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:  # not finished: wait for events after the last one that exists now
             start = last[0][0] if last else "0-0"

@@ -73,32 +73,6 @@ def test_result_and_stream_raise_no_workers(env):
         job.result(timeout=0.5)
 
 
-def test_waiting_on_an_unknown_job_id_says_so_at_once(env):
-    """A job id that was never submitted here (a typo, another prefix) or whose result expired:
-    result() waited for ever on a stream nobody writes (with a timeout, it blamed the workers)."""
-    import asyncio
-
-    from genpool.producer import AsyncClient, JobNotFound
-
-    url, prefix, c = env
-    t = time.monotonic()
-    with pytest.raises(JobNotFound, match="no job 'no-such-job'"):
-        c.job("no-such-job").result()
-    with pytest.raises(JobNotFound):
-        c.job("no-such-job").result(timeout=30)
-
-    async def wait_async():
-        ac = AsyncClient(url, prefix)
-        try:
-            await ac.job("no-such-job").result()
-        finally:
-            await ac.close()
-    with pytest.raises(JobNotFound):
-        asyncio.run(wait_async())
-    assert time.monotonic() - t < 5
-    assert isinstance(JobNotFound("x", "p"), LookupError)
-
-
 def test_no_workers_not_raised_when_a_worker_serves(env):
     url, prefix, c = env
     with worker_thread(FakeEngine(step_delay=0.05), url, prefix):
