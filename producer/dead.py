@@ -48,8 +48,6 @@ def _every_dead(c, page: int = 500):
         start = "(" + field_text(rows[-1][0])
 
 
-
-
 def retry_dead(c, ids: Optional[list[str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Re-enqueue each chosen entry's job under its own id: its old job hash and event stream are
     dropped first (their terminal dead_lettered event would end any new reader at once), then

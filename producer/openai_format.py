@@ -132,9 +132,8 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
     stream, opts = body.get("stream", False), body.get("stream_options")
     if stream is not None and not isinstance(stream, bool):
         raise APIError(400, "stream must be a boolean", param="stream")
-    usage = opts.get("include_usage") if isinstance(opts, dict) else None
-    if opts is not None and not (isinstance(opts, dict) and (usage is None
-                                                             or isinstance(usage, bool))):
+    if opts is not None and not (isinstance(opts, dict) and isinstance(
+            opts.get("include_usage"), (bool, type(None)))):
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}",
                        param="stream_options")
     if opts is not None and not stream:  # as OpenAI and vLLM: it would be silently ignored

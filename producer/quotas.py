@@ -146,7 +146,7 @@ class ProducerQuota:
         if req.tenant == DEFAULT_TENANT or not self.enabled:
             return
         limits = self._hit(req.tenant) or self._keep(req.tenant, r.get(self.t.limits(req.tenant)))
-        if (limits.rated or limits.max_queued is not None) and r.exists(self.keys.job(req.id)):
+        if limits.charged and r.exists(self.keys.job(req.id)):
             return  # a resubmit of an existing id is a no-op (the submit skips it): no charge
         if limits.rated:
             charge(r, self.keys, req, limits)
@@ -158,7 +158,7 @@ class ProducerQuota:
             return
         limits = self._hit(req.tenant) or self._keep(
             req.tenant, await r.get(self.t.limits(req.tenant)))
-        if (limits.rated or limits.max_queued is not None) and await r.exists(self.keys.job(req.id)):
+        if limits.charged and await r.exists(self.keys.job(req.id)):
             return  # as in check()
         if limits.rated:
             await acharge_cost(r, self.keys, req.tenant, estimate_tokens(req), limits)

@@ -57,11 +57,8 @@ def queue_status(r: redis.Redis, keys: Keys, dead_tail: int = 5) -> dict:
         "workers": workers,
         "unreadable_workers": unreadable,  # workers hash entries that do not parse (WorkerInfo)
         "dead": {"count": r.xlen(keys.dead),
-                 "recent": [letter(i, f)
-                            for i, f in dead]},
+                 "recent": [letter(i, f) for i, f in dead]},
     }
-
-
 
 
 def format_status(st: dict) -> str:

@@ -51,6 +51,11 @@ class TenantLimits(BaseModel):
     def rated(self) -> bool:
         return self.rpm is not None or self.tpm is not None
 
+    @property
+    def charged(self) -> bool:
+        """A producer's submit counts against these limits (a rate or a queue cap)."""
+        return self.rated or self.max_queued is not None
+
 
 def read_limits(raw) -> TenantLimits:
     """A stored limits record as every reader takes it (`genpool keys limits` writes it whole):

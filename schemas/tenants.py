@@ -114,8 +114,6 @@ def sub_stream(lane_stream: str, tenant: str) -> str:
     return f"{lane_stream}{SUB_STREAM_SEP}{check_tenant(tenant)}"
 
 
-
-
 def queue_known(pipe, keys: Keys) -> None:
     """Queue (sync or asyncio pipeline) what known_sub_streams reads: each lane's known set."""
     t = TenantKeys(keys)

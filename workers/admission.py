@@ -14,11 +14,12 @@ import time
 from typing import Optional
 
 from genpool.schemas import ErrorEvent, JobRequest
+from genpool.schemas.keys import field_text
 from genpool.schemas.scripting import Script, pipelined
 from genpool.schemas.scripts import CLAIM_LUA
 from genpool.workers.job import ACK, Claim, End, Fence, Job, JobState, Outcome
 from genpool.workers.lease import new_token
-from genpool.workers.streams import refused, s
+from genpool.workers.streams import refused
 from genpool.workers.takeover import Takeover, plan, read_logs
 
 SOLO_AFTER = 2  # lost-worker batches a job may share before it runs alone (see CLAIM_LUA)
@@ -121,7 +122,7 @@ class Admitter:
             log.error("job %s: its ownership claim failed: %s", j.job_id, answer)
             answer = (b"dead", f"its job hash cannot be claimed: {answer}", 0, 0)  # unfenced
         kind, detail, attempt, suspect = answer
-        j.claim, j.attempt, j.detail, j.suspect = Claim(s(kind)), int(attempt), s(detail), int(suspect)
+        j.claim, j.attempt, j.detail, j.suspect = Claim(field_text(kind)), int(attempt), field_text(detail), int(suspect)
         j.fence = (Fence(token, j.attempt) if claimed and j.claim.writes and token is not None
                    else None)
 

@@ -17,10 +17,11 @@ from typing import Any, Callable
 import redis
 
 from genpool.schemas import LANES, Keys
+from genpool.schemas.keys import field_text
 from genpool.schemas.scripting import pipelined
 from genpool.workers.job import Entry
 from genpool.workers.lease import LeaseKeeper
-from genpool.workers.streams import entries_from, s
+from genpool.workers.streams import entries_from
 
 SEEN_CAP = 65536  # entry ids a worker remembers having held (so its own are never "handed")
 
@@ -56,7 +57,7 @@ class Inbox:
         keeper, new, keys = self.keeper, [], self._keys()
         for stream, pend in zip(keys.all_jobs(), replies):
             for p in pend or []:
-                eid = s(p["message_id"])
+                eid = field_text(p["message_id"])
                 if (stream, eid) in self._seen:
                     continue
                 new.append((stream, eid, int(p["times_delivered"])))

@@ -79,21 +79,19 @@ def ensure_groups(r: redis.Redis, keys: Keys) -> None:
                 raise
 
 
-s = field_text  # (the short name the worker's modules import)
-
-
 def entries_from(reply, keys: Keys, deliveries: int = 1) -> list[Entry]:
     """XREAD(GROUP)-shaped reply -> Entry objects (entries deleted meanwhile come back empty).
     READ_LUA's reply has the same shape, with fields as flat [k, v, k, v, ...] lists."""
     out = []
     for stream, items in reply or []:
-        stream = s(stream)
+        stream = field_text(stream)
         for entry_id, fields in items:
             if fields is None:  # deleted after delivery; nothing left to run
                 continue
             if isinstance(fields, list):
                 fields = dict(zip(fields[0::2], fields[1::2]))
-            out.append(Entry(stream, keys.lane_of_stream(stream), s(entry_id), fields, deliveries))
+            out.append(Entry(stream, keys.lane_of_stream(stream), field_text(entry_id), fields,
+                             deliveries))
     return out
 
 
@@ -124,7 +122,7 @@ def _claim(r: redis.Redis, keys: Keys, stream: str, worker: str, min_idle_ms: in
     included); entries deleted meanwhile, or taken by another claimer first, are left out."""
     if not pending:
         return []
-    counts = {s(p["message_id"]): int(p["times_delivered"]) + 1 for p in pending}
+    counts = {field_text(p["message_id"]): int(p["times_delivered"]) + 1 for p in pending}
     got = entries_from([(stream, r.xclaim(stream, keys.group, worker, min_idle_ms,
                                           [p["message_id"] for p in pending]))], keys)
     for e in got:
@@ -156,7 +154,7 @@ class ControlReader:
     def start_at_tail(self, r: redis.Redis) -> None:
         # Cancels sent before this worker existed are covered by the job hash's cancel flag.
         last = r.xrevrange(self.keys.control, count=1)
-        self.cursor = s(last[0][0]) if last else "0-0"
+        self.cursor = field_text(last[0][0]) if last else "0-0"
 
     # XRANGE from just after the cursor, not XREAD: the same entries, but a fixed key position,
     # so a cluster client routes it without asking a node COMMAND GETKEYS first.
@@ -171,7 +169,7 @@ class ControlReader:
         """Job ids to cancel from an XRANGE reply; advances the cursor."""
         ids = []
         for entry_id, fields in entries or []:
-            self.cursor = s(entry_id)
+            self.cursor = field_text(entry_id)
             if fields.get(b"op") == b"cancel" and fields.get(b"id"):
                 ids.append(fields[b"id"].decode("utf-8", "replace"))
         return ids

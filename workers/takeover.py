@@ -22,8 +22,7 @@ from genpool.engine.identity import ModelIdentity
 from genpool.engine.resume import ResumeState
 from genpool.schemas import RestartEvent, ResumeEvent, TokenEvent
 from genpool.schemas.events import PromptScores, parse_event
-from genpool.schemas.keys import field_int
-from genpool.schemas.keys import field_text as _s
+from genpool.schemas.keys import field_int, field_text
 from genpool.schemas.scripting import pipelined
 from genpool.workers.job import Job
 
@@ -92,7 +91,7 @@ def plan(entries, n: int, identity: ModelIdentity) -> Takeover:
     """What to do with a job taken over, from its event stream's entries (XRANGE's reply)."""
     log, expected = _Log(), 1
     for entry_id, fields in entries or []:
-        fields = {_s(k): v for k, v in fields.items()}
+        fields = {field_text(k): v for k, v in fields.items()}
         if _seq(fields) != expected:  # trimmed (the cap), or lost (a Redis that forgot)
             return Takeover(restart=f"its event log is incomplete (entry {expected} is "
                                     f"missing): rerun from the start")
@@ -136,8 +135,6 @@ def _why_not(log: _Log, n: int, identity: ModelIdentity) -> str:
     return theirs.mismatch(identity) or ""
 
 
-
-
 def _seq(fields: dict) -> Optional[int]:
     try:
         return int(fields.get("seq"))
@@ -146,4 +143,4 @@ def _seq(fields: dict) -> Optional[int]:
 
 
 def _entry_time(entry_id) -> float:
-    return int(_s(entry_id).split("-", 1)[0]) / 1000.0
+    return int(field_text(entry_id).split("-", 1)[0]) / 1000.0
