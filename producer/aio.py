@@ -55,6 +55,12 @@ async def _cancellable(aw):
         raise
 
 
+async def _bounded(coro, watch: Watch):
+    """`coro` (one Redis call), given up with TimeoutError past the wait's deadline: a stalled
+    Redis would otherwise hold it for the whole socket timeout (the connection is dropped)."""
+    return await asyncio.wait_for(_cancellable(coro), watch.attempt_s())
+
+
 async def _retrying(fn, attempts: int = 8):
     delays = backoff()
     for i in range(attempts):
@@ -85,23 +91,24 @@ class AsyncJob:
     async def events(self, timeout: Optional[float] = None, start: str = "0-0",
                      no_worker_s: Optional[float] = None) -> AsyncIterator[Any]:
         c = self.client
-        r, key = c.redis, c.keys.events(self.id)
         watch = Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
                       c.reconnect_s)
-        last, delays = start, backoff()
-        gaps = Gaps(start)  # events the stream's cap dropped before this reader got to them
+        async for ev in self._events(watch, start):
+            yield ev
+
+    async def _events(self, watch: Watch, last: str) -> AsyncIterator[Any]:
+        r, key = self.client.redis, self.client.keys.events(self.id)
+        gaps = Gaps(last)  # events the stream's cap dropped before this reader got to them
         while True:
             try:
                 if watch.check_due():
-                    watch.saw_workers(len(await _cancellable(self.serving_workers())))
-                resp = await _cancellable(
-                    xread_one(r, key, last, READ_COUNT, watch.block_ms(READ_BLOCK_MS)))
+                    watch.saw_workers(len(await _bounded(self.serving_workers(), watch)))
+                resp = await _bounded(
+                    xread_one(r, key, last, READ_COUNT, watch.block_ms(READ_BLOCK_MS)), watch)
                 watch.redis_ok()
-                delays = backoff()
-            except RETRY as e:
-                watch.redis_failed(e)
+            except (*RETRY, TimeoutError) as e:
                 resp = None
-                await asyncio.sleep(next(delays))
+                await asyncio.sleep(watch.retry_after(e))
             except (AttributeError, TypeError):
                 # redis-py's asyncio cluster client: a connection closed under a concurrent
                 # write surfaces as AttributeError/TypeError, not ConnectionError (redis-py
@@ -109,7 +116,7 @@ class AsyncJob:
                 if not self.client.cluster:
                     raise
                 resp = None
-                await asyncio.sleep(next(delays))
+                await asyncio.sleep(next(watch.delays))
             if resp:
                 watch.saw_events()  # a worker writes them: serving, even while it drains
             for entry_id, ev in read_events(resp, gaps):
@@ -153,11 +160,20 @@ class AsyncJob:
             pipe.xrevrange(keys.events(self.id), count=1)
             return await pipe.execute()
 
-        (res, err), last = await _retrying(snapshot)
+        c = self.client  # one deadline for the snapshot and the wait
+        watch = Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
+                      c.reconnect_s)
+        while True:
+            try:
+                (res, err), last = await _bounded(snapshot(), watch)
+                break
+            except (*RETRY, TimeoutError) as e:  # a stalled Redis: never past the deadline
+                await asyncio.sleep(watch.retry_after(e))
+        watch.redis_ok()
         final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:
             start = last[0][0] if last else "0-0"
-            async for ev in self.events(timeout, start=start, no_worker_s=no_worker_s):
+            async for ev in self._events(watch, start):
                 if ev.type in TERMINAL:
                     final = ev
         if final.type == "error" and final.code == "cancelled":

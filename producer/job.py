@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from genpool.schemas import TERMINAL, JobResult, RestartEvent, RewindEvent, TokenEvent, TrimmedEvent
-from genpool.schemas.connection import backoff, xread_one
+from genpool.schemas.connection import xread_one
 from genpool.schemas.workers import WorkerInfo
 
 from . import openai_tools
@@ -76,20 +76,20 @@ class Job:
                no_worker_s: Optional[float] = None) -> Iterator[Any]:
         """Raw events from `start` up to and including the terminal one (reconnects on loss),
         with a TrimmedEvent where the stream's cap dropped events before they were read."""
+        return self._events(self._watch(timeout, no_worker_s), start)
+
+    def _events(self, watch: Watch, last: str) -> Iterator[Any]:
         r, key = self.client.redis, self.client.keys.events(self.id)
-        watch, last, delays = self._watch(timeout, no_worker_s), start, backoff()
-        gaps = Gaps(start)  # events the stream's cap dropped before this reader got to them
+        gaps = Gaps(last)  # events the stream's cap dropped before this reader got to them
         while True:
             try:
                 if watch.check_due():
                     watch.saw_workers(len(self.serving_workers()))
                 resp = xread_one(r, key, last, READ_COUNT, watch.block_ms(READ_BLOCK_MS))
                 watch.redis_ok()
-                delays = backoff()
             except RETRY as e:
-                watch.redis_failed(e)
                 resp = None
-                time.sleep(next(delays))
+                time.sleep(watch.retry_after(e))
             if resp:
                 watch.saw_events()  # a worker writes them: serving, even while it drains
             for entry_id, ev in read_events(resp, gaps):
@@ -139,12 +139,18 @@ class Job:
             pipe.xrevrange(keys.events(self.id), count=1)
             return pipe.execute()
 
-        (res, err), last = retrying(snapshot)
+        watch = self._watch(timeout, no_worker_s)  # one deadline for the snapshot and the wait
+        while True:
+            try:
+                (res, err), last = snapshot()
+                break
+            except RETRY as e:  # never past the deadline (a stalled Redis: not 8 x 30 s)
+                time.sleep(watch.retry_after(e))
+        watch.redis_ok()
         final = terminal_from_hash(res, err) or last_terminal(last)
         if final is None:  # not finished: wait for events after the last one that exists now
             start = last[0][0] if last else "0-0"
-            final = next(ev for ev in self.events(timeout, start=start, no_worker_s=no_worker_s)
-                         if ev.type in TERMINAL)
+            final = next(ev for ev in self._events(watch, start) if ev.type in TERMINAL)
         if final.type == "error" and final.code == "cancelled":
             raw = retrying(lambda: self.client.redis.xrange(keys.events(self.id)))
             return cancelled_result(self.id, final, raw)

@@ -11,6 +11,7 @@ import uuid
 from typing import Any, Callable, Iterable, Optional
 
 from genpool.schemas import JobResult
+from genpool.schemas.connection import redact
 
 from . import openai_tools
 from .client import Client
@@ -23,8 +24,10 @@ from .waiting import CHECK_S, log
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 
 
-def poll_results(client: Client, job_ids: list[str]) -> tuple[dict[str, JobResult], list[str]]:
-    """(finished results by id, ids Redis no longer knows: lost with a Redis restart)."""
+def poll_results(client: Client, job_ids: list[str], deadline: Optional[float] = None
+                 ) -> tuple[dict[str, JobResult], list[str]]:
+    """(finished results by id, ids Redis no longer knows: lost with a Redis restart). Redis
+    is retried while it does not answer, up to `deadline` (time.monotonic()): TimeoutError."""
     if not job_ids:
         return {}, []
     keys = client.keys
@@ -35,7 +38,8 @@ def poll_results(client: Client, job_ids: list[str]) -> tuple[dict[str, JobResul
             pipe.hmget(keys.job(jid), "result", "error", "state")
         return pipe.execute()
 
-    replies = retrying(poll)  # a slow or restarting Redis is retried, as single waits are
+    what = f"map: Redis at {redact(client.url)}"
+    replies = retrying(poll, deadline=deadline, what=what)  # as single waits are
     done, missing = {}, []
     for jid, (res, err, state) in zip(job_ids, replies):
         final = terminal_from_hash(res, err)
@@ -95,7 +99,8 @@ class MapWatch:
     def _look(self, waiting: dict[Optional[str], list[str]], now: float) -> None:
         self.next_check = now + CHECK_S
         c, prefix = self.client, self.client.keys.prefix
-        live = retrying(lambda: live_workers(c.redis, c.keys))
+        live = retrying(lambda: live_workers(c.redis, c.keys), deadline=self.deadline,
+                        what=f"map: Redis at {redact(c.url)}")
         for model, ids in waiting.items():
             if serving(live, model):
                 if self.unserved.pop(model, None) is not None:
@@ -144,7 +149,7 @@ def map_prompts(client: Client, items: Iterable[Any], *, concurrency: int = 16,
             for i, job in enumerate(client.submit_many(todo[nxt:nxt + room]), nxt):
                 inflight[job.id] = i
             nxt += room
-        done, lost = poll_results(client, list(inflight))
+        done, lost = poll_results(client, list(inflight), watch.deadline)
         for jid, res in done.items():
             i = inflight.pop(jid)
             results[i] = res = openai_tools.attach(tools[i], res)

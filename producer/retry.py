@@ -7,6 +7,7 @@ ids that exist; the cancel flag).
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import redis
 
@@ -17,13 +18,21 @@ RETRY = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDown
          redis.exceptions.TryAgainError, redis.exceptions.MovedError)
 
 
-def retrying(fn, attempts: int = 8):
-    """fn(), tried up to `attempts` times with backoff between; the last failure is raised."""
+def retrying(fn, attempts: int = 8, deadline: Optional[float] = None, what: str = "Redis"):
+    """fn(), tried up to `attempts` times with backoff between; the last failure is raised. With
+    a `deadline` (time.monotonic()), no try starts after it: TimeoutError instead, naming `what`
+    (a stalled Redis holds each try for the socket timeout, 30 s)."""
     delays = backoff()
     for i in range(attempts):
         try:
             return fn()
-        except RETRY:
+        except RETRY as e:
             if i == attempts - 1:
                 raise
-            time.sleep(next(delays))
+            pause = next(delays)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{what} has not answered within the timeout: {e}") from e
+                pause = min(pause, left)
+            time.sleep(pause)

@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from genpool.schemas import ErrorEvent, JobResult, ResultEvent
-from genpool.schemas.connection import redact
+from genpool.schemas.connection import backoff, redact
 
 from .errors import JobFailed, NoWorkers, QueueUnavailable
 
@@ -40,6 +40,8 @@ class Watch:
         self.started = False  # events came: a worker took the job (and may have left since)
         self.down_since: Optional[float] = None
         self.failures = 0  # consecutive failed reads
+        self.last_error: Optional[Exception] = None
+        self.delays = backoff()  # pauses between tries of a Redis that stopped answering
 
     def block_ms(self, cap_ms: int) -> int:
         """XREAD BLOCK until the next thing to decide (never 0: that would block forever)."""
@@ -49,6 +51,14 @@ class Watch:
         if not ends:
             return cap_ms
         return max(1, min(cap_ms, int((min(ends) - time.monotonic()) * 1000)))
+
+    def attempt_s(self, grace_s: float = 1.0) -> Optional[float]:
+        """How long one Redis call may take before the wait gives up on it (None: no bound but
+        the connection's socket timeout). A healthy read ends within its BLOCK, which block_ms
+        keeps inside the deadline; the grace covers a loaded machine's round trip."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic()) + grace_s
 
     def check_due(self) -> bool:
         return self.checks and time.monotonic() >= self.next_check
@@ -71,7 +81,8 @@ class Watch:
     def redis_ok(self) -> None:
         if self.failures >= 2:
             log.warning("job %s: Redis at %s answers again", self.job_id, self.url)
-        self.down_since, self.failures = None, 0
+        self.down_since, self.failures, self.last_error = None, 0, None
+        self.delays = backoff()
 
     def redis_failed(self, err: Exception) -> None:
         now = time.monotonic()
@@ -83,6 +94,26 @@ class Watch:
                         "%.0f s", self.job_id, self.url, err, self.reconnect_s)
         if now - self.down_since >= self.reconnect_s:
             raise QueueUnavailable(self.url, now - self.down_since, err)
+
+    def retry_after(self, err: Exception) -> float:
+        """A call failed on a lost or stalled Redis: the pause before the next try. Raises
+        QueueUnavailable after reconnect_s, and TimeoutError once the caller's timeout is spent:
+        a wait never retries past its own deadline."""
+        self.redis_failed(err)
+        self.last_error = err
+        pause = next(self.delays)
+        if self.deadline is None:
+            return pause
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.timed_out()
+        return min(pause, left)
+
+    def timed_out(self) -> TimeoutError:
+        msg = f"job {self.job_id}: no final event within {self.deadline - self.t0:g} s"
+        if self.last_error is not None:
+            msg += f" (Redis at {self.url} has not answered: {self.last_error})"
+        return TimeoutError(msg)
 
     def after_read(self) -> None:
         """Raise when the wait is over: NoWorkers or TimeoutError."""
@@ -96,8 +127,7 @@ class Watch:
                 return
             if unserved:
                 raise NoWorkers(self.job_id, self.model, self.prefix, now - self.t0, self.started)
-            raise TimeoutError(f"job {self.job_id}: no final event within "
-                               f"{self.deadline - self.t0:g} s")
+            raise self.timed_out()
 
 
 def final_result(job_id: str, final, text: str = "", token_ids: Optional[list] = None,
