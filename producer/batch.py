@@ -23,6 +23,7 @@ from typing import Optional, Union
 from genpool.schemas import JobResult
 
 from .client import Client
+from .jsonl import job_id_for, line_object
 from .openai_format import ENDPOINTS, APIError, OpenAIRequest, completion_body, parse_body
 from .pipeline import Poller, poll_results
 from .progress import make_progress
@@ -40,11 +41,6 @@ def file_identity(path: Path) -> tuple[str, int]:
     return h.hexdigest()[:16], lines
 
 
-def job_id_for(ident: str, custom_id: str) -> str:
-    # custom_ids may hold any characters and be long: hash them into the job id alphabet.
-    return f"batch-{ident}-{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
-
-
 @dataclass
 class Line:
     lineno: int
@@ -52,23 +48,6 @@ class Line:
     job_id: str
     req: Optional[OpenAIRequest] = None
     error: Optional[dict] = None  # {"code", "message", "param", "line"} for an invalid line
-
-
-def line_object(raw: Union[str, bytes]) -> Union[dict, str]:
-    """A batch input line's JSON object, with its non-empty string custom_id, or why the line
-    is no such object (the client-side runner and the gateway's Files API alike)."""
-    try:
-        obj = json.loads(raw.strip())
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"not valid JSON ({e})"
-    except RecursionError:
-        return "not valid JSON (nested too deeply)"
-    if not isinstance(obj, dict):
-        return "not a JSON object"
-    cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return "no custom_id (a non-empty string is required)"
-    return obj
 
 
 def parse_line(raw: bytes, lineno: int, ident: str, model: Optional[str],
@@ -83,7 +62,7 @@ def parse_line(raw: bytes, lineno: int, ident: str, model: Optional[str],
     try:
         if obj.get("method") != "POST":
             raise APIError(400, f"method must be POST (got {obj.get('method')!r})", param="method")
-        if url not in ENDPOINTS:
+        if not isinstance(url, str) or url not in ENDPOINTS:
             raise APIError(400, f"url must be one of {', '.join(ENDPOINTS)} (got {url!r})",
                            param="url")
         if isinstance(body, dict) and body.get("stream"):

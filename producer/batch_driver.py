@@ -41,6 +41,7 @@ from .aio import AsyncClient
 from .batch_files import write_results
 from .batch_store import BatchStore, FileStore, batch_ttl_s
 from .batch_webhooks import WebhookOptions, Webhooks
+from .jsonl import jsonl_lines
 from .protocol import last_terminal, terminal_from_hash
 
 log = logging.getLogger("genpool.gateway")
@@ -52,7 +53,7 @@ T = TypeVar("T")
 
 def parse_lines(text: str) -> list[tuple[int, dict]]:
     """(line number, parsed object) of each non-blank line (checked at upload)."""
-    return [(n, json.loads(raw)) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
+    return [(n, json.loads(raw)) for n, raw in jsonl_lines(text)]
 
 
 class LeaseLost(Exception):

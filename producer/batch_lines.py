@@ -14,7 +14,7 @@ from genpool.schemas import JobResult
 from genpool.schemas.batches import BATCH_PRIORITY, BatchRecord
 from genpool.schemas.workers import WorkerInfo
 
-from .batch import job_id_for
+from .jsonl import job_id_for
 from .liveness import serving
 from .openai_format import ENDPOINTS, APIError, OpenAIRequest, error_from_event, parse_body
 from .openai_response import completion_body

@@ -103,10 +103,10 @@ class BatchAPI:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         endpoint, window = body.get("endpoint"), body.get("completion_window")
-        if endpoint not in ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:  # (a list: unhashable)
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)} (got "
                                 f"{endpoint!r})", param="endpoint", code="invalid_value")
-        if window not in COMPLETION_WINDOWS:
+        if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
             raise APIError(400, f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}"
                                 f" (got {window!r})", param="completion_window",
                            code="invalid_value")

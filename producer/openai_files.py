@@ -27,8 +27,8 @@ from genpool.schemas.batches import (
     LineError,
 )
 
-from .batch import line_object
 from .gateway_io import bounded
+from .jsonl import jsonl_lines, line_object
 from .openai_format import ENDPOINTS, APIError
 
 FORM_SLACK = 64 << 10  # multipart framing and the purpose field around the file itself
@@ -52,7 +52,7 @@ def line_problem(raw: str, seen: set[str]) -> Optional[str]:
     seen.add(cid)
     if obj.get("method") != "POST":
         return f"method must be POST (got {obj.get('method')!r})"
-    if obj.get("url") not in ENDPOINTS:
+    if not isinstance(obj.get("url"), str) or obj["url"] not in ENDPOINTS:
         return f"url must be one of {', '.join(ENDPOINTS)} (got {obj.get('url')!r})"
     if not isinstance(obj.get("body"), dict):
         return "body must be a JSON object"
@@ -63,12 +63,11 @@ def check_lines(text: str) -> tuple[int, list[LineError]]:
     """(non-blank lines, the bad ones) of a batch input file."""
     seen: set[str] = set()
     bad, n = [], 0
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        if raw.strip():
-            n += 1
-            why = line_problem(raw, seen)
-            if why:
-                bad.append(LineError(code="invalid_line", message=why, line=lineno))
+    for lineno, raw in jsonl_lines(text):
+        n += 1
+        why = line_problem(raw, seen)
+        if why:
+            bad.append(LineError(code="invalid_line", message=why, line=lineno))
     return n, bad
 
 

@@ -134,6 +134,16 @@ def test_bad_uploads_are_refused_with_openai_errors(pool):
     with pytest.raises(openai.BadRequestError):
         c.batches.create(input_file_id=upload(c, [line("a", "x")]).id,
                          endpoint="/v1/embeddings", completion_window="24h")
+    # a no-break space after the JSON: str.strip() took it at upload, the driver's parse did not
+    # (the batch then stayed `validating` for good); a list for `endpoint` was a 500
+    nbsp = jsonl([line("a", "x")]).rstrip(b"\n") + "\u00a0\n".encode()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.files.create(file=("x.jsonl", io.BytesIO(nbsp)), purpose="batch")
+    assert "line 1" in e.value.message and e.value.code == "invalid_file"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.batches.create(input_file_id=upload(c, [line("a", "x")]).id,
+                         endpoint=["/v1/completions"], completion_window="24h")
+    assert e.value.param == "endpoint"
 
 
 def test_unknown_model_lines_fail_alone(pool):
