@@ -11,8 +11,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from genpool.schemas.connection import redact_text
 
@@ -166,7 +167,13 @@ async def wait_disconnect(request: Request) -> None:
 
 async def _race(aw: Awaitable, watcher: asyncio.Future) -> Any:
     task = asyncio.ensure_future(aw)
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        # the response itself was cancelled (Starlette's own disconnect listener can see the
+        # hang-up before `watcher` does): `task`, a Redis read, must not live on without it
+        background(stop_task(task))
+        raise
     if not task.done():
         await stop_task(task)
         raise ClientGone()
@@ -250,6 +257,11 @@ def install_error_handlers(app: FastAPI) -> None:
         err = APIError(500, f"internal error ({type(exc).__name__})", "server_error",
                        code="internal")
         return JSONResponse(err.body(), status_code=500)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(req, _exc: ClientDisconnect):  # a body cut short: no server error
+        log.info("%s %s: the client hung up before its body ended", req.method, req.url.path)
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed" code
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_req, exc: StarletteHTTPException):

@@ -70,7 +70,8 @@ def split(tools: Optional[Tools], text: str) -> tuple[Optional[str], list[dict]]
     if tools.constrained:  # the constraint made it exactly one call's JSON
         try:
             call = _call(json.loads(text))
-        except ValueError:  # cut short (max_tokens): OpenAI's answer, the arguments so far
+        except (ValueError, RecursionError):  # cut short (max_tokens), or nested past
+            # json.loads's depth: OpenAI's answer to a cut call, the arguments so far
             call = _cut_call(text)
         return (None, [call]) if call else (text, [])
     content, calls = PARSERS[tools.parser](text, [t["name"] for t in tools.tools])

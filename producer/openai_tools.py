@@ -71,7 +71,11 @@ def parse(body: dict) -> Optional[Tools]:
         return None
     if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
         raise ToolError(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
-    if len(json.dumps(raw)) > MAX_TOOLS_BYTES:
+    try:
+        size = len(json.dumps(raw))
+    except RecursionError:  # (json.loads let it through a few stack frames higher up)
+        raise ToolError("tools are nested too deeply", "tools") from None
+    if size > MAX_TOOLS_BYTES:
         raise ToolError(f"tools are over {MAX_TOOLS_BYTES} bytes of JSON", "tools")
     tools = [_tool(t, i) for i, t in enumerate(raw)]
     names = [t["name"] for t in tools]

@@ -232,3 +232,34 @@ def test_a_constrained_call_cut_by_max_tokens_keeps_its_name_and_partial_argumen
                                                          "arguments": '{"city":"Os'}
     assert openai_tools.split(tools, '{"na') == ('{"na', [])  # cut before the arguments
     assert _finish_calls("length", calls) == "length" and _finish_calls("stop", calls) == "tool_calls"
+
+
+def nested(depth: int) -> dict:
+    out: dict = {}
+    for _ in range(depth):
+        out = {"a": out}
+    return out
+
+
+def test_tools_nested_past_the_recursion_limit_are_a_400():
+    """json.dumps of the tools (their size check) raised RecursionError: a 500 and a logged
+    traceback for each such request."""
+    import sys
+
+    deep = {"type": "function", "function": {"name": "f", "description": "x",
+                                             "parameters": nested(2 * sys.getrecursionlimit())}}
+    with pytest.raises(openai_tools.ToolError) as e:
+        openai_tools.parse({"tools": [deep]})
+    assert e.value.param == "tools" and "nested" in str(e.value)
+
+
+def test_a_constrained_call_nested_past_the_recursion_limit_is_its_text_cut_short():
+    """A forced call whose arguments the model nested deeper than json.loads goes (an
+    unconstrained property, max_tokens reached): the call cut short, not a 500 / broken stream."""
+    import sys
+
+    tools = openai_tools.parse({"tools": [WEATHER], "tool_choice": "required"})
+    text = '{"name":"get_weather","arguments":{"city":' + "[" * (2 * sys.getrecursionlimit())
+    content, calls = openai_tools.split(tools, text)
+    assert content is None and calls[0]["function"]["name"] == "get_weather"
+    assert calls[0]["function"]["arguments"].startswith('{"city":[[[')
