@@ -27,6 +27,7 @@ from genpool.schemas.tenants import known_sub_streams, queue_known
 
 from .aio import AsyncClient
 from .errors import NoWorkers
+from .gateway_http import SameOriginOnly
 from .gateway_io import (
     ClientGone,
     ClosingStream,
@@ -255,6 +256,7 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
 
     app = FastAPI(title="genpool gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gw
+    app.add_middleware(SameOriginOnly)
     install_error_handlers(app)
     batches = install_batch_api(app, gw, batch)
     install_job_routes(app, gw)  # /v1/jobs/{id}: a job by id, the caller's tenant's only

@@ -16,6 +16,7 @@ its worker slot for as long as the job runs: asyncio pauses our writes, and noth
   (producer/gateway.py).
 idle_timeout_s is uvicorn's timeout_keep_alive; the app uses it between body chunks too
 (producer/gateway_io.read_json). docs/operations.md, "The gateway's limits", has the numbers.
+`SameOriginOnly` refuses browsers' cross-site requests (a keyless gateway's CSRF).
 """
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ import asyncio
 import logging
 import socket
 from typing import Optional
+from urllib.parse import urlsplit
 
 import h11
 import uvicorn
+from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .openai_format import APIError
 
 log = logging.getLogger("genpool.gateway")
 
@@ -116,3 +121,27 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, *,
                      "send_buffer_bytes": int(send_buffer_bytes)})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                           timeout_keep_alive=idle_timeout_s)  # type: ignore[arg-type]
+
+
+class SameOriginOnly:
+    """ASGI middleware: a request whose `Origin` names another site is refused (403) before
+    anything is read. Browsers send Origin on cross-site requests, and some of those need no
+    preflight (a form's multipart upload, a fetch() with a Blob body and no Content-Type): a
+    page could otherwise make its visitor's browser use a gateway that has no keys. The gateway
+    serves no CORS, so no cross-site page can use it anyway; other clients send no Origin."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            origin, host = headers.get(b"origin"), headers.get(b"host", b"")
+            if origin is not None and urlsplit(origin.decode("latin-1")).netloc.lower() \
+                    != host.decode("latin-1").lower():
+                err = APIError(403, "cross-site requests are refused: the gateway serves no "
+                                    "browser page of another origin", "invalid_request_error",
+                               code="cross_origin")
+                await JSONResponse(err.body(), status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

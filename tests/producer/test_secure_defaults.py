@@ -145,3 +145,37 @@ def test_flower_and_metrics_listen_on_loopback_by_default(redis_url, tmp_path):
         assert listening_addresses(server.server_port) == {"0100007F"}
     finally:
         server.shutdown()
+
+
+def test_a_keyless_gateway_refuses_cross_site_browser_requests(redis_url):
+    """Without keys, a page on another site could make its visitor's browser POST to the gateway
+    with no preflight: fetch() with a Blob body sends no Content-Type, and an HTML form sends
+    multipart/form-data to /v1/files. Browsers name the page's origin in `Origin`; a request
+    from another origin is refused before anything is read or queued. Clients that are not
+    browsers send no Origin and are served as before."""
+    from genpool.producer.gateway import create_app
+    from tests.producer.test_gateway_limits import serve
+
+    prefix = new_prefix("secorigin")
+    app, r = create_app(redis_url, prefix, queue_without_workers=True), redis.Redis.from_url(redis_url)
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 1})
+    try:
+        with serve(app) as port:
+            base, evil = f"http://127.0.0.1:{port}", {"Origin": "https://evil.example"}
+            for origin in (evil, {"Origin": "null"}):
+                err = openai_error(httpx.post(f"{base}/v1/completions", content=body,
+                                              headers=origin), 403)
+                assert err["code"] == "cross_origin", err
+            up = httpx.post(f"{base}/v1/files", headers=evil, data={"purpose": "batch"},
+                            files={"file": ("x.jsonl", b'{"custom_id": "a"}\n')})
+            assert openai_error(up, 403)["code"] == "cross_origin"
+            assert sum(r.xlen(k) for k in Keys(prefix).all_jobs()) == 0  # nothing queued
+            assert httpx.get(f"{base}/health", headers=evil).status_code == 403
+            same = httpx.get(f"{base}/v1/models", headers={"Origin": base})
+            assert same.status_code == 200, same.text
+            # no Origin: not a browser; served (this body's checks answer it)
+            plain = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": -1})
+            assert openai_error(plain, 400)["param"] == "max_tokens"
+    finally:
+        r.close()
+        drop_prefix(redis_url, prefix)
