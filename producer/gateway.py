@@ -70,6 +70,9 @@ def _served_name(live: list) -> Optional[str]:
     return name if name and scrub_paths(name) == name else None  # never a filesystem path
 
 
+CONSTRAINED = ("response_format", "structured_outputs", "tools")  # body keys that may constrain
+
+
 class Gateway:
     def __init__(self, url: Optional[str], prefix: Optional[str], api_keys: Iterable[str],
                  max_queue_depth: Optional[int], priority: int, default_model: Optional[str],
@@ -108,11 +111,11 @@ class Gateway:
             await self.client.close()
 
     async def parse(self, kind: str, body) -> OpenAIRequest:
-        """parse_body; one whose constraint llguidance must check runs on the check threads."""
+        """parse_body; one whose constraint llguidance must check runs on the check threads
+        (tools too: a forced call's constraint is built from their schemas)."""
         parse = functools.partial(parse_body, kind, body, priority=self.priority,
                                   default_model=self.default_model)
-        if not (isinstance(body, dict) and (body.get("response_format") is not None
-                                            or body.get("structured_outputs") is not None)):
+        if not (isinstance(body, dict) and any(body.get(k) is not None for k in CONSTRAINED)):
             return parse()  # no constraint: microseconds, not worth a thread hop
         return await asyncio.get_running_loop().run_in_executor(self.checks, parse)
 

@@ -67,3 +67,61 @@ def test_big_schema_checks_do_not_stall_health(redis_url):
     assert statuses == [503] * 4, statuses  # checked, valid, then: no worker serves it
     assert lat and max(lat) < t_check / 3, (f"/health took {max(lat):.2f} s while 4 checks of "
                                             f"{t_check:.2f} s each ran", lat)
+
+
+def spy_checks(monkeypatch) -> list[str]:
+    """The thread of each llguidance check (schemas/structured.py llguidance_grammar)."""
+    import genpool.schemas.structured as st
+
+    seen, real = [], st.llguidance_grammar
+
+    def spy(kind, text):
+        seen.append(threading.current_thread().name)
+        return real(kind, text)
+
+    monkeypatch.setattr(st, "llguidance_grammar", spy)
+    return seen
+
+
+def test_a_constraint_checked_once_is_not_checked_again(monkeypatch):
+    """The gateway checks a request's constraint on its check threads, then its client's submit
+    checks the same request on the event loop: the second check took as long as the first."""
+    from genpool.producer.protocol import build_request
+
+    seen = spy_checks(monkeypatch)
+    schema = wide(40 + len(seen))  # a schema no earlier test checked
+    for _ in range(3):
+        build_request("hi", json_schema=schema)
+    assert len(seen) == 1
+    build_request("hi", json_schema=wide(41 + len(seen)))
+    assert len(seen) == 2
+    for _ in range(2):  # a bad one's verdict is kept too, and each submit is refused
+        try:
+            build_request("hi", structured_outputs={"regex": "a(("})
+        except ValueError as e:
+            assert "structured_outputs.regex" in str(e)
+        else:
+            raise AssertionError("a bad regex was accepted")
+    assert len(seen) == 3
+
+
+def test_a_forced_tool_calls_constraint_is_checked_off_the_event_loop(monkeypatch):
+    """tool_choice "required" (or a named tool) builds a constraint from the tools' schemas:
+    the gateway checked it on the event loop (0.40 s for a 233 KB schema)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from genpool.producer.gateway import Gateway
+
+    seen = spy_checks(monkeypatch)
+    gw = Gateway(None, "unused", [], None, 0, None, 4)
+    gw.checks = ThreadPoolExecutor(1, thread_name_prefix="genpool-gw-check")
+    tool = {"type": "function", "function": {"name": "f", "parameters": wide(30)}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+            "tool_choice": "required"}
+    try:
+        req = asyncio.run(gw.parse("chat", body))
+    finally:
+        gw.checks.shutdown()
+    assert req.kwargs["structured_outputs"] and seen, (req.kwargs, seen)
+    assert all(name.startswith("genpool-gw-check") for name in seen), seen
