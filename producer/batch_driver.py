@@ -41,7 +41,7 @@ from .aio import AsyncClient
 from .batch_files import write_results
 from .batch_store import BatchStore, FileStore, batch_ttl_s
 from .batch_webhooks import WebhookOptions, Webhooks
-from .jsonl import jsonl_lines
+from .jsonl import parse_lines
 from .protocol import last_terminal, terminal_from_hash
 
 log = logging.getLogger("genpool.gateway")
@@ -49,11 +49,6 @@ LEASE, RELEASE, ANSWER = Script(BATCH_LEASE_LUA), Script(BATCH_RELEASE_LUA), Scr
 CHUNK = 500  # lines per round trip
 CANCEL_GRACE_S = 10.0  # a cancelled batch waits this long for its running jobs to stop
 T = TypeVar("T")
-
-
-def parse_lines(text: str) -> list[tuple[int, dict]]:
-    """(line number, parsed object) of each non-blank line (checked at upload)."""
-    return [(n, json.loads(raw)) for n, raw in jsonl_lines(text)]
 
 
 class LeaseLost(Exception):
@@ -72,18 +67,33 @@ class BatchDriver:
         self.token = uuid.uuid4().hex  # this gateway's name on the leases it holds
         self.wake = asyncio.Event()
         self.webhooks = Webhooks(self.r, self.keys, webhook, self.token) if webhook else None
+        self.delivering: Optional[asyncio.Task] = None  # a pass over the due webhook events
 
     async def close(self) -> None:
+        if self.delivering is not None:
+            self.delivering.cancel()
+            await asyncio.gather(self.delivering, return_exceptions=True)
         if self.webhooks is not None:
             await self.webhooks.close()
+
+    def deliver(self) -> None:
+        """Start a pass over the due webhook events unless one runs: beside the batches' passes,
+        never in them (a receiver that hangs would hold every batch for its timeout)."""
+        if self.webhooks is not None and (self.delivering is None or self.delivering.done()):
+            self.delivering = asyncio.create_task(self._deliver(self.webhooks))
+
+    async def _deliver(self, webhooks: Webhooks) -> None:
+        try:
+            await webhooks.deliver_due(self.batches)
+        except Exception:  # noqa: BLE001 - the next pass tries again
+            log.exception("batch webhooks: a delivery pass failed")
 
     async def run(self) -> None:
         """The background loop: never ends on an error (a lost Redis, a bad record) but logs it."""
         while True:
             try:
                 await self.tick()
-                if self.webhooks is not None:
-                    await self.webhooks.deliver_due(self.batches)
+                self.deliver()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the gateway's other routes must go on

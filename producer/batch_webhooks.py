@@ -13,6 +13,7 @@ holds a claim (schemas/batch_scripts.py), a failed try is retried with doubling 
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -99,8 +100,12 @@ class Webhooks:
     async def deliver_due(self, batches: BatchStore) -> None:
         due = await self.r.zrangebyscore(self.keys.webhooks_due, "-inf", time.time(), start=0,
                                          num=DUE_PER_PASS)
-        for bid in due:
-            await self.deliver(bid, batches)
+        # side by side: one receiver that hangs costs one timeout, not one per event
+        got = await asyncio.gather(*(self.deliver(bid, batches) for bid in due),
+                                   return_exceptions=True)
+        for bid, err in zip(due, got):
+            if isinstance(err, Exception):  # (a lost Redis): its event stays due
+                log.warning("batch %s: its webhook delivery failed (%s)", bid, err)
 
     async def deliver(self, bid: str, batches: BatchStore) -> None:
         claim_ms = int((self.options.timeout_s + 5) * 1000)

@@ -45,3 +45,8 @@ def line_object(raw: Union[str, bytes]) -> Union[dict, str]:
         except UnicodeEncodeError:
             return "custom_id is not valid Unicode (it holds a lone surrogate escape)"
     return obj
+
+
+def parse_lines(text: str) -> list[tuple[int, dict]]:
+    """(line number, parsed object) of each non-blank line (checked at upload)."""
+    return [(n, json.loads(raw)) for n, raw in jsonl_lines(text)]

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from genpool.producer.batch import parse_line
-from genpool.producer.batch_driver import parse_lines
 from genpool.producer.batch_lines import line_job_id
+from genpool.producer.jsonl import parse_lines
 from genpool.producer.openai_files import check_lines, parse_upload
 from genpool.producer.openai_format import APIError
 

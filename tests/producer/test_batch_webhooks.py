@@ -28,12 +28,14 @@ class Receiver:
 
     def __init__(self, fail):
         self.fail, self.got = fail, []
+        self.hang_s = 0.0  # how long it takes before it answers
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["content-length"])).decode()
                 receiver.got.append((dict(self.headers), body))
+                time.sleep(receiver.hang_s)
                 bad = receiver.fail is None or len(receiver.got) <= receiver.fail
                 self.send_response(500 if bad else 200)
                 self.end_headers()
@@ -121,3 +123,17 @@ def test_an_event_that_keeps_failing_is_dead_lettered(hooked):
         assert len(receiver.got) == 3  # --batch-webhook-tries 3, then no more
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("hooked", [0], indirect=True)
+def test_a_receiver_that_hangs_holds_up_no_batch(hooked):
+    """Events were sent inline in the driver's pass, one after another, each waiting up to the
+    webhook timeout (10 s): a hung receiver stopped every batch of the gateway meanwhile."""
+    gw, receiver, _, _ = hooked
+    receiver.hang_s = 12.0
+    assert run_batch(gw).status == "completed"
+    wait_for(lambda: receiver.got, 30, what="the first event's try")
+    t0 = time.monotonic()
+    assert run_batch(gw).status == "completed"  # while the first event's try hangs
+    took = time.monotonic() - t0
+    assert took < 6, f"the second batch took {took:.1f} s behind the hung webhook"
