@@ -285,17 +285,17 @@ class BatchDriver:
 
     async def finish(self, bid: str, view: BatchView, final: str) -> None:
         """Answer lines that never ran (cancel, expiry), write the files, end the batch."""
-        lines = await self.input_lines(view) or []
-        code = UNRUN_CODE.get(final)
-        done = set(await self.r.hkeys(self.keys.batch_done(bid)))
+        code = UNRUN_CODE.get(final)  # None: every line has its answer already
+        lines = (await self.input_lines(view) or []) if code else []
+        done = set(await self.r.hkeys(self.keys.batch_done(bid))) if code else set()
         for n, obj in lines:
-            if code and obj["custom_id"] not in done:
+            if obj["custom_id"] not in done:
                 jid = bl.line_job_id(bid, obj["custom_id"])
                 await self.answer(bid, obj["custom_id"], n, False,
                                   bl.unrun(jid, obj["custom_id"], code), jid,
                                   batch_ttl_s(view.record))
         await self.renew(bid)
-        ids = await write_results(self.r, self.keys, self.files, view)
+        ids = await write_results(self.r, self.keys, self.files, view, self)
         leave = {"completed": ("finalizing",), "cancelled": ("cancelling",),
                  "expired": ("validating", "in_progress")}[final]
         if await self.move(bid, leave, final, f"{final}_at", **ids):

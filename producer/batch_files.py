@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable, Optional, Protocol, TypeVar
 
 from genpool.schemas import Keys
 from genpool.schemas.batches import BatchView, FileRecord
@@ -12,22 +13,52 @@ from genpool.schemas.batches import BatchView, FileRecord
 from .batch_lines import ident
 from .batch_store import FileStore
 
+T = TypeVar("T")
 
-async def write_results(r, keys: Keys, files: FileStore, view: BatchView) -> dict[str, str]:
-    """Write the files; {"output_file_id": id or "", "error_file_id": id or ""}."""
+
+class Lease(Protocol):
+    """The driver's hold on the batch while its files are made (producer/batch_driver.py)."""
+
+    async def renew(self, bid: str) -> None: ...
+
+    async def off_loop(self, fn: Callable[..., T], *args, bid: Optional[str] = None) -> T: ...
+
+
+async def write_results(r, keys: Keys, files: FileStore, view: BatchView,
+                        lease: Lease) -> dict[str, str]:
+    """Write the files; {"output_file_id": id or "", "error_file_id": id or ""}. Tens of
+    thousands of answers take seconds to order and render: that runs on the check threads, the
+    lease renewed meanwhile and between the steps (a lease lost mid-way began the files again,
+    for ever)."""
     bid = view.record.id
-    answers = sorted((json.loads(v) for v in (await r.hgetall(keys.batch_done(bid))).values()),
-                     key=lambda a: a["n"])
+    answers: dict[str, str] = {}
+    async for cid, stored in r.hscan_iter(keys.batch_done(bid), count=1000):
+        answers[cid] = stored  # (a dict: HSCAN may name a field twice)
+        if len(answers) % 20_000 == 0:
+            await lease.renew(bid)
+    rendered = await lease.off_loop(render, list(answers.values()), bid=bid)
     out = {}
-    for field, kind, ok in (("output_file_id", "output", True), ("error_file_id", "error", False)):
-        rows = [a["line"] for a in answers if a["ok"] is ok]
-        if not rows:
+    for (field, kind), (text, size, lines) in zip(
+            (("output_file_id", "output"), ("error_file_id", "error")), rendered):
+        if not lines:
             out[field] = ""
             continue
-        text = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows)
-        rec = FileRecord(id=f"file-{ident(bid)}-{kind}", bytes=len(text.encode()),
-                         created_at=int(time.time()), filename=f"{bid}_{kind}.jsonl",
-                         purpose="batch_output", lines=len(rows), owner=view.record.owner)
+        rec = FileRecord(id=f"file-{ident(bid)}-{kind}", bytes=size, created_at=int(time.time()),
+                         filename=f"{bid}_{kind}.jsonl", purpose="batch_output", lines=lines,
+                         owner=view.record.owner)
+        await lease.renew(bid)
         await files.put(rec, text)
         out[field] = rec.id
+    await lease.renew(bid)
     return out
+
+
+def render(stored: list[str]) -> list[tuple[str, int, int]]:
+    """(text, bytes, lines) of the output file, then of the error file, in input line order."""
+    answers = sorted((json.loads(v) for v in stored), key=lambda a: a["n"])
+    files = []
+    for ok in (True, False):
+        text = "".join(json.dumps(a["line"], ensure_ascii=False) + "\n" for a in answers
+                       if a["ok"] is ok)
+        files.append((text, len(text.encode()), text.count("\n")))
+    return files

@@ -1,0 +1,75 @@
+"""A batch whose result files take longer to write than the driver's lease still ends.
+
+The files were made on the event loop after one lease renewal: with 5,000 answers of ~4 KB that
+took longer than the lease, the state move that ends the batch found the lease lost, and the next
+pass began the files again, and again: the batch stayed `finalizing` for good. Here the lease is
+200 ms (the gateway's is 5 s) so that a test-sized batch outlasts it. A real Redis and the real
+driver and stores, in this process; no gateway, no worker (the answers are written directly)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from genpool.producer import batch_lines as bl
+from genpool.producer.aio import AsyncClient
+from genpool.producer.batch_driver import BatchDriver
+from genpool.producer.batch_store import BatchStore, FileStore
+from genpool.schemas.batches import BatchRecord
+from tests.pool_helpers import drop_prefix, new_prefix
+
+N, TEXT = 5000, "x" * 4000
+
+
+def answer(i: int, ok: bool) -> str:
+    if ok:
+        line = {"id": f"r{i}", "custom_id": f"c{i}", "error": None,
+                "response": {"status_code": 200, "request_id": f"j{i}",
+                             "body": {"object": "text_completion", "text": TEXT}}}
+    else:
+        line = {"id": f"r{i}", "custom_id": f"c{i}", "response": None,
+                "error": {"code": "batch_expired", "message": "not run"}}
+    return bl.stored(i + 1, ok, line)
+
+
+async def finalize(redis_url: str, prefix: str) -> tuple[str, dict, dict]:
+    client = AsyncClient(redis_url, prefix)
+    r, keys = client.redis, client.keys
+    files, batches = FileStore(r, keys), BatchStore(r, keys)
+    driver = BatchDriver(client, files, batches, lease_ms=200)
+    now = int(time.time())
+    rec = BatchRecord(id="batch_bigfiles", endpoint="/v1/completions", input_file_id="file-gone",
+                      completion_window="24h", created_at=now, expires_at=now + 3600)
+    await batches.create(rec, N)
+    done = keys.batch_done(rec.id)
+    for lo in range(0, N, 500):
+        await r.hset(done, mapping={f"c{i}": answer(i, i % 10 != 0) for i in range(lo, lo + 500)})
+    await r.expire(done, 3600)
+    await r.hset(keys.batch(rec.id), mapping={"status": "finalizing", "completed": N - N // 10,
+                                              "failed": N // 10})
+    try:
+        for _ in range(4):
+            await driver.tick()
+            view = await batches.get(rec.id)
+            if view.status == "completed":
+                break
+        out = await files.content(view.output_file_id) if view.output_file_id else ""
+        err = await files.content(view.error_file_id) if view.error_file_id else ""
+        return view.status, {"out": out, "err": err}, view.model_dump()
+    finally:
+        await driver.close()
+        await client.close()
+
+
+def test_files_that_outlast_the_lease_still_end_the_batch(redis_url):
+    prefix = new_prefix("bfinal")
+    try:
+        status, files, view = asyncio.run(finalize(redis_url, prefix))
+    finally:
+        drop_prefix(redis_url, prefix)
+    assert status == "completed", view
+    out, err = files["out"].splitlines(), files["err"].splitlines()
+    assert (len(out), len(err)) == (N - N // 10, N // 10)
+    ids = [json.loads(x)["custom_id"] for x in out + err]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(N))  # each once
+    assert [json.loads(x)["custom_id"] for x in err][:3] == ["c0", "c10", "c20"]  # line order
