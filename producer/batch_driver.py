@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Executor
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar, get_args
 
 import redis
 
@@ -31,6 +31,7 @@ from genpool.schemas.batches import (
     BATCH_TICK_S,
     TERMINAL_BATCH,
     UNRUN_CODE,
+    BatchStatus,
     BatchView,
 )
 from genpool.schemas.scripting import Script
@@ -47,6 +48,7 @@ from .protocol import last_terminal, terminal_from_hash
 log = logging.getLogger("genpool.gateway")
 LEASE, RELEASE, ANSWER = Script(BATCH_LEASE_LUA), Script(BATCH_RELEASE_LUA), Script(BATCH_ANSWER_LUA)
 CHUNK = 500  # lines per round trip
+MAX_STEP_FAILURES = 10  # a batch whose step raises this many passes in a row fails
 CANCEL_GRACE_S = 10.0  # a cancelled batch waits this long for its running jobs to stop
 T = TypeVar("T")
 
@@ -68,6 +70,7 @@ class BatchDriver:
         self.wake = asyncio.Event()
         self.webhooks = Webhooks(self.r, self.keys, webhook, self.token) if webhook else None
         self.delivering: Optional[asyncio.Task] = None  # a pass over the due webhook events
+        self.failures: dict[str, int] = {}  # batch id -> its steps failed in a row here
 
     async def close(self) -> None:
         if self.delivering is not None:
@@ -111,12 +114,34 @@ class BatchDriver:
                 continue  # another gateway drives it
             try:
                 await self.drive(bid)
+                self.failures.pop(bid, None)
             except LeaseLost:
                 log.info("batch %s: its lease went to another gateway", bid)
             except (asyncio.CancelledError, redis.ConnectionError, redis.TimeoutError):
                 raise  # a stop, or Redis away: the whole pass waits for the next tick
-            except Exception:  # noqa: BLE001 - one batch that cannot go on must not stop others
+            except redis.RedisError:  # (refused writes under memory pressure): not the batch's
                 log.exception("batch %s: this step failed; it is tried again next pass", bid)
+            except Exception as e:  # noqa: BLE001 - one batch that cannot go on must not stop others
+                await self.step_failed(bid, e)
+
+    async def step_failed(self, bid: str, err: Exception) -> None:
+        """A step that raised for a reason of the batch's own (its stored input or record) raises
+        again every pass: after MAX_STEP_FAILURES in a row the batch ends `failed`, saying why,
+        rather than staying in its state for good (not cancellable, not expiring)."""
+        n = self.failures[bid] = self.failures.get(bid, 0) + 1
+        if n < MAX_STEP_FAILURES:
+            log.exception("batch %s: this step failed; it is tried again next pass", bid)
+            return
+        log.exception("batch %s: its step failed %d passes in a row; the batch fails", bid, n)
+        why = [{"code": "batch_step_failed",
+                "message": f"the batch could not go on: {type(err).__name__}: {err}"[:1000]}]
+        live = tuple(s for s in get_args(BatchStatus) if s not in TERMINAL_BATCH)
+        self.failures.pop(bid, None)
+        try:
+            if await self.move(bid, live, "failed", "failed_at", errors=json.dumps(why)):
+                await self.retire(bid, True)
+        except LeaseLost:
+            log.info("batch %s: its lease went to another gateway", bid)
 
     async def renew(self, bid: str) -> None:
         if await LEASE.acall(self.r, [self.keys.batch_lease(bid)],

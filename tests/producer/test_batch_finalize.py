@@ -1,10 +1,14 @@
-"""A batch whose result files take longer to write than the driver's lease still ends.
+"""A batch ends, whatever its size or its stored data.
 
+A batch whose result files take longer to write than the driver's lease still ends.
 The files were made on the event loop after one lease renewal: with 5,000 answers of ~4 KB that
 took longer than the lease, the state move that ends the batch found the lease lost, and the next
 pass began the files again, and again: the batch stayed `finalizing` for good. Here the lease is
 200 ms (the gateway's is 5 s) so that a test-sized batch outlasts it. A real Redis and the real
-driver and stores, in this process; no gateway, no worker (the answers are written directly)."""
+driver and stores, in this process; no gateway, no worker (the answers are written directly).
+
+A batch whose step raises every pass (its stored input no longer parses) ends `failed`, saying
+why, after MAX_STEP_FAILURES passes: it stayed `validating` for good, not cancellable."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +17,9 @@ import time
 
 from genpool.producer import batch_lines as bl
 from genpool.producer.aio import AsyncClient
-from genpool.producer.batch_driver import BatchDriver
+from genpool.producer.batch_driver import MAX_STEP_FAILURES, BatchDriver
 from genpool.producer.batch_store import BatchStore, FileStore
-from genpool.schemas.batches import BatchRecord
+from genpool.schemas.batches import BatchRecord, FileRecord
 from tests.pool_helpers import drop_prefix, new_prefix
 
 N, TEXT = 5000, "x" * 4000
@@ -73,3 +77,38 @@ def test_files_that_outlast_the_lease_still_end_the_batch(redis_url):
     ids = [json.loads(x)["custom_id"] for x in out + err]
     assert sorted(ids) == sorted(f"c{i}" for i in range(N))  # each once
     assert [json.loads(x)["custom_id"] for x in err][:3] == ["c0", "c10", "c20"]  # line order
+
+
+async def run_broken(redis_url: str, prefix: str) -> tuple[dict, bool]:
+    client = AsyncClient(redis_url, prefix)
+    r, keys = client.redis, client.keys
+    files, batches = FileStore(r, keys), BatchStore(r, keys)
+    driver = BatchDriver(client, files, batches)
+    now = int(time.time())
+    # what a peer holding the Redis URL (or a corrupted write) could leave as the input
+    bad = FileRecord(id="file-broken", bytes=9, created_at=now, filename="in.jsonl",
+                     purpose="batch", lines=1)
+    await files.put(bad, "not json\n")
+    rec = BatchRecord(id="batch_broken", endpoint="/v1/completions", input_file_id=bad.id,
+                      completion_window="24h", created_at=now, expires_at=now + 3600)
+    await batches.create(rec, 1)
+    try:
+        for _ in range(MAX_STEP_FAILURES + 2):
+            await driver.tick()
+        view = await batches.get(rec.id)
+        active = await r.zscore(keys.batches_active, rec.id) is not None
+        return view.model_dump(), active
+    finally:
+        await driver.close()
+        await client.close()
+
+
+def test_a_batch_whose_step_keeps_failing_ends_failed_saying_why(redis_url):
+    prefix = new_prefix("bbroken")
+    try:
+        view, active = asyncio.run(run_broken(redis_url, prefix))
+    finally:
+        drop_prefix(redis_url, prefix)
+    assert view["status"] == "failed" and not active, view
+    (err,) = view["errors"]
+    assert err["code"] == "batch_step_failed" and "JSONDecodeError" in err["message"], err
