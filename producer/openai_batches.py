@@ -32,7 +32,7 @@ from .batch_driver import BatchDriver
 from .batch_store import BatchStore, FileStore
 from .batch_webhooks import WebhookOptions
 from .gateway_io import read_json
-from .openai_files import install_file_routes, list_args, listing, visible
+from .openai_files import install_file_routes, list_args, listing, storage_lock, visible
 from .openai_format import ENDPOINTS, APIError
 from .tenancy import Principal
 
@@ -120,23 +120,31 @@ class BatchAPI:
         if file.purpose != "batch":
             raise APIError(400, f"file {fid} has purpose {file.purpose!r}, not 'batch'",
                            param="input_file_id", code="invalid_value")
-        held = await self.batches.active_bytes(tenant)
-        if held + file.bytes > self.options.max_active_bytes:
-            raise APIError(429, f"this tenant's batches not yet ended hold {held} bytes of input; "
-                                f"with this file's {file.bytes} that is over the limit of "
-                                f"{self.options.max_active_bytes}: wait for one to end",
-                           type_="rate_limit_exceeded", code="batch_limit_exceeded")
-        now = time.time()
-        span = self.options.window_s or COMPLETION_WINDOWS[window]
-        rec = BatchRecord(id=f"batch_{uuid.uuid4().hex[:24]}", endpoint=endpoint,
-                          input_file_id=fid, completion_window=window, created_at=int(now),
-                          expires_at=int(now + span + 0.999), metadata=metadata, owner=tenant,
-                          model=self.gw.default_model, input_bytes=file.bytes,
-                          **key_rules(who))
-        await self.batches.create(rec, file.lines)
+        async with storage_lock(self.batches.r, self.batches.keys, tenant):
+            await self.batch_room(tenant, file.bytes)
+            rec = self.record(endpoint, fid, window, metadata, who, file.bytes)
+            await self.batches.create(rec, file.lines)
         if self.driver is not None:
             self.driver.wake.set()
         return (await self.batches.get(rec.id)).public()
+
+    async def batch_room(self, tenant: str, size: int) -> None:
+        held = await self.batches.active_bytes(tenant)
+        if held + size > self.options.max_active_bytes:
+            raise APIError(429, f"this tenant's batches not yet ended hold {held} bytes of input; "
+                                f"with this file's {size} that is over the limit of "
+                                f"{self.options.max_active_bytes}: wait for one to end",
+                           type_="rate_limit_exceeded", code="batch_limit_exceeded")
+
+    def record(self, endpoint: str, fid: str, window: str, metadata, who: Principal,
+               size: int) -> BatchRecord:
+        now = time.time()
+        span = self.options.window_s or COMPLETION_WINDOWS[window]
+        return BatchRecord(id=f"batch_{uuid.uuid4().hex[:24]}", endpoint=endpoint,
+                           input_file_id=fid, completion_window=window, created_at=int(now),
+                           expires_at=int(now + span + 0.999), metadata=metadata,
+                           owner=who.tenant, model=self.gw.default_model, input_bytes=size,
+                           **key_rules(who))
 
 
 def key_rules(who: Principal) -> dict:

@@ -9,6 +9,7 @@ one bad request becomes one line of the batch's error file instead of failing th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Optional
@@ -18,19 +19,26 @@ from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 
+from genpool.schemas import Keys
+from genpool.schemas.batch_scripts import BATCH_LEASE_LUA, BATCH_RELEASE_LUA
 from genpool.schemas.batches import (
     BAD_LINES_SHOWN,
     FILE_TTL_S,
     MAX_BATCH_LINES,
     MAX_LIST_LIMIT,
+    STORAGE_LOCK_MS,
+    STORAGE_LOCK_WAIT_S,
     FileRecord,
     LineError,
 )
+from genpool.schemas.scripting import Script
+from genpool.schemas.tenants import TenantKeys
 
 from .gateway_io import bounded
 from .jsonl import jsonl_lines, line_object
 from .openai_format import ENDPOINTS, APIError
 
+LOCK, UNLOCK = Script(BATCH_LEASE_LUA), Script(BATCH_RELEASE_LUA)
 FORM_SLACK = 64 << 10  # multipart framing and the purpose field around the file itself
 
 
@@ -133,6 +141,24 @@ async def file_room(api, tenant: str, size: int) -> None:
                        type_="rate_limit_exceeded", code="file_storage_limit_exceeded")
 
 
+@contextlib.asynccontextmanager
+async def storage_lock(r, keys: Keys, tenant: str, wait_s: float = STORAGE_LOCK_WAIT_S):
+    """Hold `tenant`'s storage lock across gateways for a check of its byte limits and the write
+    it allows: two uploads (or creates) checked side by side each saw the other's bytes unheld,
+    and both passed. APIError(503) when it is not had within `wait_s`."""
+    key, token = TenantKeys(keys).storage_lock(tenant), uuid.uuid4().hex
+    give_up = time.monotonic() + wait_s
+    while await LOCK.acall(r, [key], [token, STORAGE_LOCK_MS]) != 1:
+        if time.monotonic() > give_up:
+            raise APIError(503, f"this tenant's uploads and batch creates are busy (waited "
+                                f"{wait_s:g} s); retry", "server_error", code="storage_busy")
+        await asyncio.sleep(0.02)
+    try:
+        yield
+    finally:
+        await UNLOCK.acall(r, [key], [token])
+
+
 def declared_file_bytes(request: Request) -> int:
     """At least how many bytes the upload's file has, by its Content-Length (0 when unknown)."""
     size = request.headers.get("content-length", "")
@@ -180,11 +206,12 @@ def install_file_routes(app: FastAPI, api) -> None:
         # checked on the check threads: a 64 MB file's lines take a second or more to parse
         text, n = await asyncio.get_running_loop().run_in_executor(api.gw.checks, parse_upload,
                                                                   data)
-        await file_room(api, tenant, len(data))
         rec = FileRecord(id=f"file-{uuid.uuid4().hex[:24]}", bytes=len(data),
                          created_at=int(time.time()), filename=filename, purpose="batch",
                          lines=n, owner=tenant)
-        await api.files.put(rec, text)
+        async with storage_lock(api.files.r, api.files.keys, tenant):
+            await file_room(api, tenant, len(data))
+            await api.files.put(rec, text)
         return rec.public()
 
     @app.get("/v1/files")

@@ -102,6 +102,12 @@ class TenantKeys:
         tenant -> tokens of credit or debt; `:cursor`, `:resume`: whose turn is under way)."""
         return [f"{lane_stream}:fair:{what}" for what in ("ring", "active", "known", "deficit")]
 
+    def storage_lock(self, tenant: str) -> str:
+        """String: the token of the gateway that checks and writes an upload or a new batch of
+        `tenant` (so its file and batch byte limits hold against concurrent requests on any
+        gateway), with a PX TTL (BATCH_LEASE_LUA takes it, BATCH_RELEASE_LUA gives it back)."""
+        return f"{self.prefix}:storage:{self.tag}:{check_tenant(tenant)}:lock"
+
     def usage(self, hour: int) -> str:
         """Hash of one USAGE_BUCKET_S bucket (hour = epoch seconds // USAGE_BUCKET_S):
         `<tenant>:prompt|completion|jobs` -> count. One key per hour, not per tenant, so

@@ -115,3 +115,56 @@ def test_a_list_limit_in_other_digits_is_a_400(redis_url):
                 assert got.status_code == 400 and got.json()["error"]["param"] == "limit", got.text
     finally:
         drop_prefix(redis_url, prefix)
+
+
+def side_by_side(n: int, call) -> list[int]:
+    """The status of `n` calls of call(http) made at once, each on its own connection."""
+    import threading
+
+    statuses, start = [], threading.Barrier(n)
+
+    def one():
+        with httpx.Client(timeout=60) as http:
+            start.wait()
+            statuses.append(call(http).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return sorted(statuses)
+
+
+def test_concurrent_uploads_and_creates_keep_the_tenants_byte_limits(redis_url):
+    """Each request checked the tenant's bytes, then wrote: requests side by side each saw the
+    others' bytes not yet there, and all passed (the limits bound nothing against a loop of
+    concurrent creates). Room for one file and one batch of it: of 8 at once, one passes."""
+    from genpool.producer.gateway import create_app
+
+    prefix = new_prefix("gwuprace")
+    data = b"".join(LINE.replace(b'"custom_id": "a"', f'"custom_id": "c{i}"'.encode())
+                    for i in range(200))
+    size = len(data)
+    app = create_app(redis_url, prefix, batch=BatchOptions(
+        max_tenant_file_bytes=size + size // 2, max_active_bytes=size + size // 2, drive=False))
+    try:
+        with serve(app) as port:
+            base = f"http://127.0.0.1:{port}"
+
+            def put(http):
+                return http.post(f"{base}/v1/files", data={"purpose": "batch"},
+                                 files={"file": ("in.jsonl", data)})
+
+            assert side_by_side(8, put) == [200] + [429] * 7
+            with httpx.Client(timeout=30) as http:
+                fid = http.get(f"{base}/v1/files").json()["data"][0]["id"]
+
+            def create(http):
+                return http.post(f"{base}/v1/batches", json={
+                    "input_file_id": fid, "endpoint": "/v1/completions",
+                    "completion_window": "24h"})
+
+            assert side_by_side(8, create) == [200] + [429] * 7
+    finally:
+        drop_prefix(redis_url, prefix)
