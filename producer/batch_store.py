@@ -12,6 +12,7 @@ from genpool.schemas import Keys
 from genpool.schemas.batch_scripts import BATCH_MOVE_LUA
 from genpool.schemas.batches import (
     BATCH_RETENTION_S,
+    DELETED_CURSOR_S,
     FILE_TTL_S,
     BatchRecord,
     BatchView,
@@ -94,19 +95,26 @@ class FileStore:
         return sum(r.bytes for r in recs if r.owner == owner and r.purpose == "batch")
 
     async def delete(self, fid: str) -> None:
-        await self.r.delete(self.keys.file(fid))
-        await self.r.zrem(self.keys.files, fid)
+        """The file goes; a tombstone stays DELETED_CURSOR_S, its id in the listing: a listing's
+        cursor may name it (the official client's auto-pagination asks for the page after the
+        last id it saw, and a cleanup loop has just deleted that one)."""
+        key, pipe = self.keys.file(fid), self.r.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, "deleted", int(time.time()))
+        pipe.expire(key, DELETED_CURSOR_S)
+        await pipe.execute()
 
     async def list(self, after: Optional[str], limit: int, owner: str,
                    purpose: Optional[str]) -> tuple[list[FileRecord], bool]:
         async def load(ids):
             pipe = self.r.pipeline(transaction=False)
             for fid in ids:
-                pipe.hget(self.keys.file(fid), "record")
-            recs = [FileRecord.model_validate_json(x) if x else False
-                    for x in await pipe.execute()]
-            return [x if x is False or (x.owner == owner and purpose in (None, x.purpose))
-                    else None for x in recs]
+                pipe.hmget(self.keys.file(fid), "record", "deleted")
+            recs = [FileRecord.model_validate_json(x) if x else (None if dead else False)
+                    for x, dead in await pipe.execute()]  # (a tombstone: None, kept listed)
+            return [x if not isinstance(x, FileRecord) or (x.owner == owner and purpose in
+                                                           (None, x.purpose)) else None
+                    for x in recs]
         return await page(self.r, self.keys.files, after, limit, load)
 
 

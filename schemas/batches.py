@@ -34,6 +34,7 @@ FILE_TTL_S = 30 * 86400  # how long an uploaded or produced file is kept
 # and files can be read after it ends.
 BATCH_RETENTION_S = 30 * 86400
 COMPLETION_WINDOWS = {"24h": 86400}  # the only window OpenAI accepts
+DELETED_CURSOR_S = 86_400  # a deleted file's tombstone: a listing's cursor may still name it
 STORAGE_LOCK_MS = 10_000  # a tenant's storage lock (an upload's or create's check and write)
 STORAGE_LOCK_WAIT_S = 10.0  # how long a request waits for it before a 503
 BATCH_LEASE_MS = 5000  # a driver's claim on a batch; a dead gateway's batch is taken over after it

@@ -205,7 +205,8 @@ class Keys:
     # A file's keys share `{<file id>}`, a batch's `{<batch id>}` (ids use the job-id alphabet);
     # the listings are in `{<prefix>}`.
     def file(self, file_id: str) -> str:
-        """Hash: `record` (JSON FileRecord) and `content` (the file's text), with a TTL."""
+        """Hash: `record` (JSON FileRecord) and `content` (the file's text), with a TTL; once
+        deleted, `deleted` (unix time) alone for DELETED_CURSOR_S (a listing's cursor)."""
         return f"{self.prefix}:file:{{{check_job_id(file_id)}}}"
 
     @property
