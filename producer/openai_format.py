@@ -12,10 +12,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import annotated_types
 from pydantic import ValidationError
 
 from genpool.schemas import ErrorEvent
-from genpool.schemas.request import MAX_LOGPROBS
+from genpool.schemas.request import MAX_LOGPROBS, JobRequest
 
 from . import openai_echo, openai_tools
 
@@ -107,6 +108,7 @@ def parse_body(kind: str, body: Any, *, priority: int = 0, default_model: Option
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     _check_keys(kind, body)
+    _check_sizes(body)
     kw: dict[str, Any] = {k: body[k] for k in COMMON - {"stream", "stream_options"}
                           if body.get(k) is not None}
     tools = _tools(kind, body, kw)
@@ -194,6 +196,27 @@ def _check_keys(kind: str, body: dict) -> None:
         elif key not in allowed:
             raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key,
                            code="unknown_parameter")
+
+
+def _most_items(field: str) -> int:
+    return next(m.max_length for m in JobRequest.model_fields[field].metadata
+                if isinstance(m, annotated_types.MaxLen))
+
+
+# body field -> the wire field that bounds its length: checked before any item is, since both
+# the conversion here and pydantic look at every item first (200,000 messages: 0.5 s of the
+# gateway's event loop for a 400)
+SIZED = {k: _most_items(f) for k, f in (("messages", "messages"), ("prompt", "prompt_token_ids"),
+                                        ("stop", "stop"), ("stop_token_ids", "stop_token_ids"),
+                                        ("logit_bias", "logit_bias"))}
+
+
+def _check_sizes(body: dict) -> None:
+    for key, most in SIZED.items():
+        value = body.get(key)
+        if isinstance(value, (list, dict)) and len(value) > most:
+            raise APIError(400, f"{key} has {len(value)} items; at most {most} are taken",
+                           param=key, code="invalid_value")
 
 
 def _messages(raw: Any, tools: Optional[openai_tools.Tools] = None) -> list[dict]:
