@@ -68,7 +68,7 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self.requests, self._counters,
                                       self._fail)
         self.sampling = SampleStage(self.sampler, self.speculator, self.structured, self.scheduler,
-                                    self.requests, self._counters, self.eos_token_ids[0],
+                                    self.requests, self._counters, tuple(self.eos_token_ids),
                                     self._new_seq, self._fail, self._fail_step)
         self.closed = False
         if config.tensor_parallel_size > 1:  # a later engine may close this one once it is gone
@@ -282,6 +282,7 @@ class LLMEngine:
         log.info("request %s failed: %s", request_id, (error.message or "").split("\n", 1)[0])
         sch = self.scheduler
         for seq in req.seqs:
+            seq.pending_forks = 0  # n > 1: no sample is split off a failed request
             if seq.is_finished:
                 continue
             if seq in sch.running or seq in sch.waiting:

@@ -35,7 +35,7 @@ class SampleStage:
     scheduler: Scheduler
     requests: dict[str, Request]  # the engine's: a request that failed meanwhile is gone from it
     counters: dict  # the engine's; a request ended here counts in requests_finished
-    eos_token_id: int
+    eos_token_ids: tuple[int, ...]  # any of them ends a sequence; min_tokens bans them all
     new_seq: Callable[..., Sequence]  # LLMEngine._new_seq(req, index, parent=None)
     fail: Callable[[str, RequestError], None]  # LLMEngine._fail
     fail_step: Callable[[Sequence, Exception], None]  # LLMEngine._fail_step
@@ -78,8 +78,10 @@ class SampleStage:
             rows.append(i)
             seqs.append(seq)
             parents.append(None)
+            req = self.requests.get(seq.request_id)
+            if req is None:  # it failed this step (its first mask): no samples to split off
+                seq.pending_forks = 0
             while seq.pending_forks:
-                req = self.requests[seq.request_id]
                 child = self.new_seq(req, req.params.n - seq.pending_forks, parent=seq)
                 seq.pending_forks -= 1
                 rows.append(i)
@@ -88,7 +90,7 @@ class SampleStage:
         return rows, seqs, parents
 
     def row(self, seq: Sequence) -> SampleRow:
-        eos = None if seq.params.ignore_eos else self.eos_token_id
+        eos = () if seq.params.ignore_eos else self.eos_token_ids
         return SampleRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.seed, eos,
                          seq.index)
 

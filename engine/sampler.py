@@ -33,7 +33,7 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # None: the Sampler's shared generator draws (not reproducible by key)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # banned while min_tokens is not reached
     index: int = 0  # which of the request's n completions: part of the counter's key
 
 
@@ -60,9 +60,7 @@ def apply_min_tokens(logits: torch.Tensor, row: SampleRow) -> None:
     p = row.params
     if len(row.output_token_ids) >= p.min_tokens:
         return
-    banned = list(p.stop_token_ids)
-    if row.eos_token_id is not None:
-        banned.append(row.eos_token_id)
+    banned = [*p.stop_token_ids, *row.eos_token_ids]
     banned = [t for t in banned if 0 <= t < logits.shape[-1]]
     if banned:
         logits[torch.tensor(banned, device=logits.device)] = float("-inf")
@@ -131,6 +129,18 @@ _MODEL_NONFINITE = RequestError("internal", "the model produced non-finite logit
                                             "for this request")
 
 
+def _parameters_fault(raw: torch.Tensor, p: SamplingParams) -> RequestError:
+    if bool(torch.isneginf(raw).all()) or p.min_tokens:
+        return RequestError("invalid_request", (
+            "no token is left to sample: the constraint, logit_bias and, before min_tokens, the "
+            f"banned end-of-text and stop_token_ids forbid every token (min_tokens="
+            f"{p.min_tokens}, stop_token_ids={list(p.stop_token_ids)[:8]})"))
+    return RequestError("invalid_request", (
+        "the sampling parameters made this request's probabilities non-finite "
+        f"(temperature={p.temperature}, repetition_penalty={p.repetition_penalty}, "
+        f"presence_penalty={p.presence_penalty}, frequency_penalty={p.frequency_penalty})"))
+
+
 class Sampler:
     """`sampler(logits [N, V], rows) -> (token ids, logprob dicts or None)`."""
 
@@ -173,14 +183,10 @@ class Sampler:
         try:
             tok = self._sample_row(raw.clone(), row)
         except _NonFinite:  # the model's fault, or (despite the bounds) the parameters'?
-            if not bool(torch.isfinite(raw).all()):
+            # (-inf is a mask's: a constraint's, or logit_bias -100; NaN or +inf the model's)
+            if bool(torch.isnan(raw).any() or torch.isposinf(raw).any()):
                 return self._fail(i, _MODEL_NONFINITE)
-            p = row.params
-            return self._fail(i, RequestError("invalid_request", (
-                "the sampling parameters made this request's probabilities non-finite "
-                f"(temperature={p.temperature}, repetition_penalty={p.repetition_penalty}, "
-                f"presence_penalty={p.presence_penalty}, frequency_penalty="
-                f"{p.frequency_penalty})")))
+            return self._fail(i, _parameters_fault(raw, row.params))
         except (RuntimeError, ValueError, IndexError) as exc:  # never the whole batch's problem
             return self._fail(i, RequestError("internal", f"sampling failed for this request: "
                                                           f"{type(exc).__name__}: {exc}"))

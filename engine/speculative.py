@@ -70,7 +70,7 @@ def verify(sampler: Sampler, rows: torch.Tensor, row: SampleRow, draft: list[int
     out: list[int] = []
     for i in range(rows.shape[0]):
         here = SampleRow(row.params, row.prompt_token_ids, row.output_token_ids + out, row.seed,
-                         row.eos_token_id, row.index)
+                         row.eos_token_ids, row.index)
         token, probs = sampler.distribution(rows[i].clone(), here)
         if probs is not None:
             token = sample_inverse_cdf(probs, sampler.uniform(here))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
+from genpool.schemas.structured import MAX_CHOICES
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # The whole constraint's canonical text may not exceed this (a bound on compile work and memory).
 MAX_SPEC_CHARS = 1_000_000
@@ -39,6 +41,9 @@ class StructuredOutputsParams:
         if kind == "choice" and not (isinstance(self.choice, (list, tuple)) and self.choice
                                      and all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if kind == "choice" and len(self.choice) > MAX_CHOICES:
+            raise ValueError(f"structured_outputs.choice has {len(self.choice)} options; the limit "
+                             f"is {MAX_CHOICES} (llguidance's, for one rule)")
         if kind == "json_object" and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true")
         if len(self.key[1]) > MAX_SPEC_CHARS:

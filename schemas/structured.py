@@ -17,6 +17,9 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_CONSTRAINT_CHARS = 1_000_000  # the engine's limit too (engine/structured_params.py)
+# llguidance's parser rows hold at most 2,000 items, and n choices make a row of n + 1: a longer
+# list compiled, then failed at its first token ("Current row has 2001 items; max is 2000")
+MAX_CHOICES = 1999
 # JSON is generated compact: a small model given free whitespace can emit newlines until
 # max_tokens. A schema may override this with llguidance's "x-guidance" key.
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -27,7 +30,7 @@ class StructuredOutputs(BaseModel):
                               serialize_by_alias=True)
     json_schema: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
     regex: Optional[str] = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHARS)
-    choice: Optional[list[str]] = Field(default=None, min_length=1, max_length=10_000)
+    choice: Optional[list[str]] = Field(default=None, min_length=1, max_length=MAX_CHOICES)
     grammar: Optional[str] = Field(default=None, min_length=1, max_length=MAX_CONSTRAINT_CHARS)
     json_object: Optional[bool] = None
 

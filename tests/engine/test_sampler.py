@@ -18,9 +18,9 @@ from genpool.engine.sampling_params import SamplingParams
 INF = float("inf")
 
 
-def row(prompt=(), output=(), seed=None, eos=None, **kw):
+def row(prompt=(), output=(), seed=None, eos=(), **kw):
     params = SamplingParams(seed=seed, **kw)
-    return SampleRow(params, list(prompt), list(output), seed, eos)
+    return SampleRow(params, list(prompt), list(output), seed, tuple(eos))
 
 
 def logits_for(probs):
@@ -195,7 +195,7 @@ def test_rows_without_generator_use_the_sampler_generator():
 def test_min_tokens_masks_eos_and_stop_token_ids():
     x = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]])  # eos=2 is the favourite, then stop id 3
     s = Sampler()
-    kw = dict(temperature=0, min_tokens=2, stop_token_ids=[3], eos=2)
+    kw = dict(temperature=0, min_tokens=2, stop_token_ids=[3], eos=(2,))
     assert s(x, [row(output=[], **kw)])[0] == [4]
     assert s(x, [row(output=[1], **kw)])[0] == [4]
     assert s(x, [row(output=[1, 1], **kw)])[0] == [2]  # min_tokens reached
@@ -204,7 +204,32 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     # sampled rows too: eos / stop ids never come out while masked
     for seed in range(20):
         assert s(x, [row(output=[], seed=seed, temperature=5.0, min_tokens=2,
-                         stop_token_ids=[3], eos=2)])[0][0] not in (2, 3)
+                         stop_token_ids=[3], eos=(2,))])[0][0] not in (2, 3)
+
+
+def test_min_tokens_masks_every_eos_id():
+    """A model may end a turn with any of several EOS ids (Llama 3: 128001, 128008, 128009):
+    only the first was masked, so the others came out as text before min_tokens."""
+    x = torch.tensor([[0.0, 1.0, 5.0, 3.0, 4.5]])  # eos ids 2 and 4 lead
+    s = Sampler()
+    assert s(x, [row(output=[], temperature=0, min_tokens=2, eos=(2, 4))])[0] == [3]
+    assert s(x, [row(output=[1, 1], temperature=0, min_tokens=2, eos=(2, 4))])[0] == [2]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_row_with_no_token_left_is_the_requests_fault_not_the_models(temperature):
+    """A constraint's mask leaves only EOS, and min_tokens bans it: nothing can be sampled.
+    That was reported as the model's fault (internal: non-finite logits), a 500 at the
+    gateway; a NaN from the model still is."""
+    x = torch.full((2, 5), -INF)
+    x[:, 2] = 1.0  # the mask's one allowed token: eos
+    x[1, 0] = float("nan")
+    s = Sampler()
+    s(x, [row(output=[], temperature=temperature, seed=1, min_tokens=3, eos=(2,))] * 2)
+    mine, model = s.row_errors[0], s.row_errors[1]
+    assert mine.code == "invalid_request" and "no token" in mine.message, mine
+    assert "min_tokens=3" in mine.message
+    assert model.code == "internal" and "non-finite" in model.message
 
 
 def test_logprobs_use_raw_logits_and_contain_the_sampled_token():

@@ -180,6 +180,43 @@ def test_bad_constraints_fail_their_request_alone(llm):
     assert good.error is None and len(good.outputs[0].token_ids) == 5
 
 
+def test_a_constraint_that_matches_nothing_with_n_samples_fails_that_request_alone(llm):
+    """A regex that compiles but matches no string fails at its first mask. With n >= 2 the
+    failed request's samples were still split off after it was gone (KeyError in the sample
+    stage): the engine step raised, and the worker with every job beside it went down."""
+    q = chat_ids(llm, [{"role": "user", "content": "Hello"}])
+    nothing = [{"regex": "[^\\s\\S]"}, {"grammar": "start: /[^\\s\\S]/"}]
+    params = [SamplingParams(n=n, temperature=0, max_tokens=5, structured_outputs=so)
+              for so in nothing for n in (2, 16)] + [SamplingParams(n=3, max_tokens=5, seed=1)]
+    outs = llm.generate([q] * len(params), params)
+    for bad in outs[:-1]:
+        assert bad.error is not None and bad.error.code == "invalid_request", bad
+    good = outs[-1]
+    assert good.error is None and [len(o.token_ids) for o in good.outputs] == [5, 5, 5]
+
+
+def test_min_tokens_past_the_constraints_end_is_the_requests_error(llm):
+    """After "ab" the regex allows only end-of-text, which min_tokens bans: nothing is left to
+    sample. It ended as the model's fault (internal, non-finite logits: a 500 at the gateway)."""
+    q = chat_ids(llm, [{"role": "user", "content": "Say ab:"}])
+    for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+        (out,) = llm.generate([q], SamplingParams(max_tokens=8, min_tokens=6, **extra,
+                                                  structured_outputs={"regex": "ab"}))
+        assert out.error is not None and out.error.code == "invalid_request", out
+        assert "no token is left" in out.error.message and "min_tokens=6" in out.error.message
+
+
+def test_a_choice_list_past_llguidances_limit_is_refused_at_add_request(llm):
+    """llguidance's parser rows hold 2,000 items and n choices make n + 1: up to 10,000 were
+    taken, compiled, then failed at the first token (after a slow mask)."""
+    with pytest.raises(ValueError, match="2000 options; the limit is 1999"):
+        SamplingParams(structured_outputs={"choice": [f"c{i}" for i in range(2000)]})
+    (out,) = llm.generate([chat_ids(llm, [{"role": "user", "content": "Pick"}])],
+                          SamplingParams(temperature=0, max_tokens=8, structured_outputs={
+                              "choice": [f"option {i}" for i in range(1999)]}))
+    assert out.error is None and out.outputs[0].text.startswith("option "), out
+
+
 def test_bad_json_text_is_refused_at_add_request(llm):
     with pytest.raises(ValueError, match="not valid JSON"):
         llm.llm_engine.add_request("bad-json", "hi", SamplingParams(structured_outputs={"json": "{x"}))
