@@ -74,3 +74,20 @@ def test_a_huge_max_tokens_does_not_hold_back_other_jobs(env, tiny_llama_path):
         assert c.job(big.id).info()["state"] == "running"
         assert w.capacity() > 0
         big.cancel()
+
+
+def test_a_job_whose_constraint_matches_nothing_fails_alone_and_the_worker_serves_on(
+        env, tiny_llama_path):
+    """n=2 and a regex that compiles but matches no string: the engine step raised (KeyError),
+    and the worker stopped with the jobs beside it; a peer taking the job over went down too."""
+    url, prefix, c = env
+    eng = LLM(str(tiny_llama_path), num_threads=1, num_kv_blocks=256).llm_engine
+    with worker_thread(eng, url, prefix) as w:
+        beside = c.submit(prompt="A", max_tokens=30, ignore_eos=True)
+        bad = c.submit(prompt="B", max_tokens=5, n=2, structured_outputs={"regex": "[^\\s\\S]"})
+        res = bad.result(timeout=30, raise_on_error=False)
+        assert res.error is not None and res.error.code == "invalid_request", res
+        assert beside.result(timeout=30).finish_reason == "length"
+        after = c.submit(prompt="C", max_tokens=3)
+        assert after.result(timeout=30).finish_reason == "length"
+        assert not w.stopping
