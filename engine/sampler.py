@@ -129,8 +129,9 @@ _MODEL_NONFINITE = RequestError("internal", "the model produced non-finite logit
                                             "for this request")
 
 
-def _parameters_fault(raw: torch.Tensor, p: SamplingParams) -> RequestError:
-    if bool(torch.isneginf(raw).all()) or p.min_tokens:
+def _parameters_fault(raw: torch.Tensor, row: SampleRow) -> RequestError:
+    p = row.params
+    if bool(torch.isneginf(raw).all()) or len(row.output_token_ids) < p.min_tokens:
         return RequestError("invalid_request", (
             "no token is left to sample: the constraint, logit_bias and, before min_tokens, the "
             f"banned end-of-text and stop_token_ids forbid every token (min_tokens="
@@ -186,7 +187,7 @@ class Sampler:
             # (-inf is a mask's: a constraint's, or logit_bias -100; NaN or +inf the model's)
             if bool(torch.isnan(raw).any() or torch.isposinf(raw).any()):
                 return self._fail(i, _MODEL_NONFINITE)
-            return self._fail(i, _parameters_fault(raw, row.params))
+            return self._fail(i, _parameters_fault(raw, row))
         except (RuntimeError, ValueError, IndexError) as exc:  # never the whole batch's problem
             return self._fail(i, RequestError("internal", f"sampling failed for this request: "
                                                           f"{type(exc).__name__}: {exc}"))

@@ -41,6 +41,7 @@ from . import batch_lines as bl
 from .aio import AsyncClient
 from .batch_files import write_results
 from .batch_store import BatchStore, FileStore, batch_ttl_s
+from .batch_upkeep import MAX_STEP_FAILURES, STEP_FAILURES_S, Deliveries, StepFailures
 from .batch_webhooks import WebhookOptions, Webhooks
 from .jsonl import parse_lines
 from .protocol import last_terminal, terminal_from_hash
@@ -48,7 +49,6 @@ from .protocol import last_terminal, terminal_from_hash
 log = logging.getLogger("genpool.gateway")
 LEASE, RELEASE, ANSWER = Script(BATCH_LEASE_LUA), Script(BATCH_RELEASE_LUA), Script(BATCH_ANSWER_LUA)
 CHUNK = 500  # lines per round trip
-MAX_STEP_FAILURES = 10  # a batch whose step raises this many passes in a row fails
 CANCEL_GRACE_S = 10.0  # a cancelled batch waits this long for its running jobs to stop
 T = TypeVar("T")
 
@@ -61,7 +61,8 @@ class BatchDriver:
     def __init__(self, client: AsyncClient, files: FileStore, batches: BatchStore, *,
                  lease_ms: int = BATCH_LEASE_MS, tick_s: float = BATCH_TICK_S,
                  webhook: Optional[WebhookOptions] = None, in_flight: int = BATCH_IN_FLIGHT,
-                 checks: Optional[Executor] = None):
+                 checks: Optional[Executor] = None,
+                 fail_after: tuple[int, float] = (MAX_STEP_FAILURES, STEP_FAILURES_S)):
         self.client, self.r, self.keys = client, client.redis, client.keys
         self.checks = checks  # where lines are parsed and checked (None: asyncio's default pool)
         self.files, self.batches = files, batches
@@ -69,34 +70,15 @@ class BatchDriver:
         self.token = uuid.uuid4().hex  # this gateway's name on the leases it holds
         self.wake = asyncio.Event()
         self.webhooks = Webhooks(self.r, self.keys, webhook, self.token) if webhook else None
-        self.delivering: Optional[asyncio.Task] = None  # a pass over the due webhook events
-        self.failures: dict[str, int] = {}  # batch id -> its steps failed in a row here
-
-    async def close(self) -> None:
-        if self.delivering is not None:
-            self.delivering.cancel()
-            await asyncio.gather(self.delivering, return_exceptions=True)
-        if self.webhooks is not None:
-            await self.webhooks.close()
-
-    def deliver(self) -> None:
-        """Start a pass over the due webhook events unless one runs: beside the batches' passes,
-        never in them (a receiver that hangs would hold every batch for its timeout)."""
-        if self.webhooks is not None and (self.delivering is None or self.delivering.done()):
-            self.delivering = asyncio.create_task(self._deliver(self.webhooks))
-
-    async def _deliver(self, webhooks: Webhooks) -> None:
-        try:
-            await webhooks.deliver_due(self.batches)
-        except Exception:  # noqa: BLE001 - the next pass tries again
-            log.exception("batch webhooks: a delivery pass failed")
+        self.deliveries = Deliveries(self.webhooks, batches)  # webhooks: beside the passes
+        self.failures = StepFailures(*fail_after)
 
     async def run(self) -> None:
         """The background loop: never ends on an error (a lost Redis, a bad record) but logs it."""
         while True:
             try:
                 await self.tick()
-                self.deliver()
+                self.deliveries.start()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the gateway's other routes must go on
@@ -107,14 +89,19 @@ class BatchDriver:
                 pass
             self.wake.clear()
 
+    async def close(self) -> None:
+        await self.deliveries.close()
+
     async def tick(self) -> None:
-        for bid in await self.r.zrange(self.keys.batches_active, 0, -1):
+        active = await self.r.zrange(self.keys.batches_active, 0, -1)
+        self.failures.keep_only(active)
+        for bid in active:
             if await LEASE.acall(self.r, [self.keys.batch_lease(bid)], [self.token,
                                                                         self.lease_ms]) != 1:
                 continue  # another gateway drives it
             try:
                 await self.drive(bid)
-                self.failures.pop(bid, None)
+                self.failures.ok(bid)
             except LeaseLost:
                 log.info("batch %s: its lease went to another gateway", bid)
             except (asyncio.CancelledError, redis.ConnectionError, redis.TimeoutError):
@@ -125,20 +112,20 @@ class BatchDriver:
                 await self.step_failed(bid, e)
 
     async def step_failed(self, bid: str, err: Exception) -> None:
-        """A step that raised for a reason of the batch's own (its stored input or record) raises
-        again every pass: after MAX_STEP_FAILURES in a row the batch ends `failed`, saying why,
-        rather than staying in its state for good (not cancellable, not expiring)."""
-        n = self.failures[bid] = self.failures.get(bid, 0) + 1
-        if n < MAX_STEP_FAILURES:
+        """A step that keeps raising for the batch's own reasons (StepFailures) ends the batch
+        `failed`, saying why, with its jobs cancelled, rather than leaving it in its state for
+        good (not cancellable, not expiring)."""
+        if not self.failures.failed(bid):
             log.exception("batch %s: this step failed; it is tried again next pass", bid)
             return
-        log.exception("batch %s: its step failed %d passes in a row; the batch fails", bid, n)
+        log.exception("batch %s: its step keeps failing; the batch fails", bid)
         why = [{"code": "batch_step_failed",
                 "message": f"the batch could not go on: {type(err).__name__}: {err}"[:1000]}]
         live = tuple(s for s in get_args(BatchStatus) if s not in TERMINAL_BATCH)
-        self.failures.pop(bid, None)
         try:
             if await self.move(bid, live, "failed", "failed_at", errors=json.dumps(why)):
+                for jid in await self.r.smembers(self.keys.batch_sent(bid)):
+                    await self.client.cancel(jid)  # nobody will collect them
                 await self.retire(bid, True)
         except LeaseLost:
             log.info("batch %s: its lease went to another gateway", bid)

@@ -70,7 +70,12 @@ def _served_name(live: list) -> Optional[str]:
     return name if name and scrub_paths(name) == name else None  # never a filesystem path
 
 
-CONSTRAINED = ("response_format", "structured_outputs", "tools")  # body keys that may constrain
+def constrains(body: dict) -> bool:
+    """Whether parse_body builds a constraint for llguidance to check: a response_format, a
+    structured_outputs, or tools with a forced call ("required" or a named one)."""
+    if body.get("response_format") is not None or body.get("structured_outputs") is not None:
+        return True
+    return bool(body.get("tools")) and body.get("tool_choice") not in (None, "auto", "none")
 
 
 class Gateway:
@@ -115,7 +120,7 @@ class Gateway:
         (tools too: a forced call's constraint is built from their schemas)."""
         parse = functools.partial(parse_body, kind, body, priority=self.priority,
                                   default_model=self.default_model)
-        if not (isinstance(body, dict) and any(body.get(k) is not None for k in CONSTRAINED)):
+        if not (isinstance(body, dict) and constrains(body)):
             return parse()  # no constraint: microseconds, not worth a thread hop
         return await asyncio.get_running_loop().run_in_executor(self.checks, parse)
 
@@ -259,7 +264,8 @@ def create_app(url: Optional[str] = None, prefix: Optional[str] = None, *,
 
     app = FastAPI(title="genpool gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gw
-    app.add_middleware(SameOriginOnly)
+    if not gw.tenancy.checks_keys:  # (a browser cannot send a key cross-site unpreflighted)
+        app.add_middleware(SameOriginOnly)
     install_error_handlers(app)
     batches = install_batch_api(app, gw, batch)
     install_job_routes(app, gw)  # /v1/jobs/{id}: a job by id, the caller's tenant's only

@@ -16,7 +16,7 @@ its worker slot for as long as the job runs: asyncio pauses our writes, and noth
   (producer/gateway.py).
 idle_timeout_s is uvicorn's timeout_keep_alive; the app uses it between body chunks too
 (producer/gateway_io.read_json). docs/operations.md, "The gateway's limits", has the numbers.
-`SameOriginOnly` refuses browsers' cross-site requests (a keyless gateway's CSRF).
+`SameOriginOnly` refuses browsers' cross-site requests to a gateway without keys (CSRF).
 """
 from __future__ import annotations
 
@@ -124,11 +124,11 @@ def server_config(app, host: str = "127.0.0.1", port: int = 8000, *,
 
 
 class SameOriginOnly:
-    """ASGI middleware: a request whose `Origin` names another site is refused (403) before
-    anything is read. Browsers send Origin on cross-site requests, and some of those need no
-    preflight (a form's multipart upload, a fetch() with a Blob body and no Content-Type): a
-    page could otherwise make its visitor's browser use a gateway that has no keys. The gateway
-    serves no CORS, so no cross-site page can use it anyway; other clients send no Origin."""
+    """ASGI middleware of a gateway without keys: a request whose `Origin` names another site
+    than its `Host` is refused (403) before anything is read. Browsers send Origin on cross-site
+    requests, and some of those need no preflight (a form's multipart upload, a fetch() with a
+    Blob body and no Content-Type): any page could otherwise make its visitor's browser use the
+    gateway. Other clients send no Origin."""
 
     def __init__(self, app) -> None:
         self.app = app

@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Optional
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
@@ -153,10 +154,21 @@ async def storage_lock(r, keys: Keys, tenant: str, wait_s: float = STORAGE_LOCK_
             raise APIError(503, f"this tenant's uploads and batch creates are busy (waited "
                                 f"{wait_s:g} s); retry", "server_error", code="storage_busy")
         await asyncio.sleep(0.02)
+    keeper = asyncio.create_task(_keep_lock(r, key, token))  # a big file's write outlasts it
     try:
         yield
     finally:
+        keeper.cancel()
         await UNLOCK.acall(r, [key], [token])
+
+
+async def _keep_lock(r, key: str, token: str) -> None:
+    try:
+        while True:
+            await asyncio.sleep(STORAGE_LOCK_MS / 3000)
+            await LOCK.acall(r, [key], [token, STORAGE_LOCK_MS])
+    except redis.RedisError:  # (the lock then lapses on its own)
+        return
 
 
 def declared_file_bytes(request: Request) -> int:

@@ -137,7 +137,7 @@ def test_the_sampled_rule_is_distributed_as_the_target():
     for draft in ([1], [3]):  # a likely and an unlikely draft
         counts = collections.Counter()
         for seed in range(n):
-            row = SampleRow(SamplingParams(temperature=1.0, seed=seed), [0], [2], seed, None, 0)
+            row = SampleRow(SamplingParams(temperature=1.0, seed=seed), [0], [2], seed, (), 0)
             counts[verify(sampler, logits.clone(), row, draft)[0]] += 1
         freq = torch.tensor([counts[i] / n for i in range(4)])
         assert torch.allclose(freq, target, atol=0.025), (draft, freq)

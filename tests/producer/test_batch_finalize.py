@@ -8,7 +8,8 @@ pass began the files again, and again: the batch stayed `finalizing` for good. H
 driver and stores, in this process; no gateway, no worker (the answers are written directly).
 
 A batch whose step raises every pass (its stored input no longer parses) ends `failed`, saying
-why, after MAX_STEP_FAILURES passes: it stayed `validating` for good, not cancellable."""
+why, after MAX_STEP_FAILURES passes (and STEP_FAILURES_S): it stayed `validating` for good,
+not cancellable."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,9 @@ import time
 
 from genpool.producer import batch_lines as bl
 from genpool.producer.aio import AsyncClient
-from genpool.producer.batch_driver import MAX_STEP_FAILURES, BatchDriver
+from genpool.producer.batch_driver import BatchDriver
 from genpool.producer.batch_store import BatchStore, FileStore
+from genpool.producer.batch_upkeep import MAX_STEP_FAILURES
 from genpool.schemas.batches import BatchRecord, FileRecord
 from tests.pool_helpers import drop_prefix, new_prefix
 
@@ -83,7 +85,8 @@ async def run_broken(redis_url: str, prefix: str) -> tuple[dict, bool]:
     client = AsyncClient(redis_url, prefix)
     r, keys = client.redis, client.keys
     files, batches = FileStore(r, keys), BatchStore(r, keys)
-    driver = BatchDriver(client, files, batches)
+    # the count alone here; a gateway also waits STEP_FAILURES_S (60 s) from the first
+    driver = BatchDriver(client, files, batches, fail_after=(MAX_STEP_FAILURES, 0.0))
     now = int(time.time())
     # what a peer holding the Redis URL (or a corrupted write) could leave as the input
     bad = FileRecord(id="file-broken", bytes=9, created_at=now, filename="in.jsonl",
@@ -112,3 +115,18 @@ def test_a_batch_whose_step_keeps_failing_ends_failed_saying_why(redis_url):
     assert view["status"] == "failed" and not active, view
     (err,) = view["errors"]
     assert err["code"] == "batch_step_failed" and "JSONDecodeError" in err["message"], err
+
+
+def test_a_batch_fails_only_after_both_the_count_and_the_time():
+    """Ten passes take 2.5 s: a passing fault (a cluster connection lost mid-write surfaces as a
+    TypeError) must not fail a batch, so the count and a span both must pass."""
+    from genpool.producer.batch_upkeep import StepFailures
+
+    f = StepFailures(3, 0.3)
+    assert [f.failed("b") for _ in range(5)] == [False] * 5  # the count, not the time
+    time.sleep(0.35)
+    assert f.failed("b") and not f.failed("b")  # then it starts again
+    f.failed("c")
+    f.ok("b")
+    f.keep_only(["b"])  # "c" left the active set elsewhere
+    assert f.since == {}

@@ -179,3 +179,13 @@ def test_a_keyless_gateway_refuses_cross_site_browser_requests(redis_url):
     finally:
         r.close()
         drop_prefix(redis_url, prefix)
+
+
+def test_a_gateway_with_keys_serves_browser_clients_of_any_origin(gateway):
+    """With keys, a cross-site page cannot send one without a preflight: Origin is not looked
+    at, so a browser app behind a proxy that rewrites Host (or adds CORS) keeps working."""
+    base, _ = gateway
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": -1},
+                   headers={**AUTH, "Origin": "https://app.example"})
+    assert openai_error(r, 400)["param"] == "max_tokens"
+    assert httpx.get(f"{base}/v1/models", headers={**AUTH, "Origin": "null"}).status_code == 200
