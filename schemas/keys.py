@@ -170,7 +170,8 @@ class Keys:
 
     @property
     def workers(self) -> str:
-        """Hash: worker name -> JSON info (model, pid, host, started, last beat, load)."""
+        """Hash: worker name -> JSON info (model, pid, host, started, last beat, load); TTL
+        WORKER_STALE_S from the newest beat."""
         return f"{self.prefix}:workers:{self.tag}"
 
     def worker(self, name: str) -> str:

@@ -21,6 +21,9 @@ class Heartbeat:
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.worker(self.name), doc, ex=self.ttl_s)
         pipe.hset(self.keys.workers, self.name, doc)
+        # every entry older than WORKER_STALE_S is pruned: a registry no worker has beaten for
+        # that long (its workers all killed) holds nothing live, and goes on its own
+        pipe.expire(self.keys.workers, WORKER_STALE_S)
         pipe.execute()
         self.beats += 1
         if self.beats % 30 == 1:

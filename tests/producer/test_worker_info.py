@@ -84,3 +84,15 @@ def test_status_and_liveness_skip_an_unreadable_document(client):
     live = live_workers(client.redis, client.keys)
     assert [w.name for w in live] == ["good"] and [w.name for w in serving(live, "m")] == ["good"]
     assert client.job("x", model="alias").serving_workers()[0].model_name == "m"
+
+
+def test_the_registry_of_killed_workers_expires_on_its_own(client):
+    """A worker killed without its goodbye leaves its entry until a peer prunes it (after
+    WORKER_STALE_S): with no peer left, the registry stayed for ever (a key with no TTL)."""
+    from genpool.schemas.keys import WORKER_STALE_S
+    from genpool.workers.heartbeat import Heartbeat
+
+    hb = Heartbeat(client.redis, client.keys, "killed", interval_s=1.0)
+    hb.beat(WorkerInfo.model_validate({**GOOD, "name": "killed"}))
+    assert client.redis.hexists(client.keys.workers, "killed")  # (never says goodbye)
+    assert 0 < client.redis.ttl(client.keys.workers) <= WORKER_STALE_S
