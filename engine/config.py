@@ -78,7 +78,8 @@ class EngineConfig:
     malloc_tune: bool | None = field(default=None, metadata=_opt(
         "raise glibc's mmap threshold and stop heap trimming on the CPU, so activation buffers are reused"))
     num_threads: int | None = field(default=None, metadata=_opt(
-        "torch intra-op threads on the CPU (default: none: torch's own choice, every core)"))
+        "threads of the CPU kernels' pool and torch's ops (default: every core this process may "
+        "run on: taskset and cpusets count)"))
     quantization: str | None = field(default=None, metadata=_opt(
         "int8: quantize the weights at load (per output channel); gguf: load the model's GGUF file "
         "natively (Q8_0/Q4_0/Q4_1); awq: an AWQ checkpoint (detected from config.json) (default: "
