@@ -86,21 +86,23 @@ async def expand(d: "BatchDriver", bid: str, view: BatchView) -> bool:
         return False
     done = set(await d.r.hkeys(k.batch_done(bid)))
     live = await live_workers_async(d.r, k)
-    leads: dict[str, tuple[str, int]] = {}  # prefix -> (job id, line number) of its first line
+    leads: dict[str, tuple[str, int]] = {}  # prefix -> (job id, rank) of its first line
     entries: dict[str, str] = {}
     order: dict[str, int] = {}
-    for c in await d.off_loop(check_all, bid, rec, lines, done, live, bid=bid):
+    # order by each line's rank among the lines (< MAX_BATCH_LINES < 2**17), not its line
+    # number: blank lines can push numbers past 2**17, where two keys would tie
+    for rank, c in enumerate(await d.off_loop(check_all, bid, rec, lines, done, live, bid=bid)):
         if c.error is not None:
             await d.answer(bid, c.obj["custom_id"], c.n, False,
                            bl.http_error(c.jid, c.obj["custom_id"], c.error), "", ttl)
             continue
-        lead_id, lead_n = leads.setdefault(c.key, (c.jid, c.n))
+        lead_id, lead_rank = leads.setdefault(c.key, (c.jid, rank))
         lead = None if lead_id == c.jid else lead_id
         entries[c.jid] = {"n": c.n, "obj": c.obj, "lead": lead, "followers": 0}
         if lead is not None:
             entries[lead]["followers"] += 1
         # a prefix's first line, then its others, prefix after prefix in input order
-        order[c.jid] = (lead_n << 17) + (0 if lead is None else c.n)
+        order[c.jid] = (lead_rank << 17) + (0 if lead is None else rank)
     ids = list(entries)
     for i in range(0, len(ids), CHUNK):
         chunk = ids[i:i + CHUNK]
