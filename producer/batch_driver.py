@@ -298,7 +298,12 @@ class BatchDriver:
     async def finish(self, bid: str, view: BatchView, final: str) -> None:
         """Answer lines that never ran (cancel, expiry), write the files, end the batch."""
         code = UNRUN_CODE.get(final)  # None: every line has its answer already
-        lines = (await self.input_lines(view) or []) if code else []
+        lines = await self.input_lines(view) if code else []
+        gone = {}
+        if lines is None:  # deleted before the batch expanded: its lines cannot be named
+            lines, gone = [], {"errors": json.dumps([{"code": "input_file_missing", "message": (
+                f"the input file {view.record.input_file_id} was deleted before the batch "
+                f"ran; none of its {view.total} lines ran")}])}
         done = set(await self.r.hkeys(self.keys.batch_done(bid))) if code else set()
         for n, obj in lines:
             if obj["custom_id"] not in done:
@@ -310,7 +315,7 @@ class BatchDriver:
         ids = await write_results(self.r, self.keys, self.files, view, self)
         leave = {"completed": ("finalizing",), "cancelled": ("cancelling",),
                  "expired": ("validating", "in_progress")}[final]
-        if await self.move(bid, leave, final, f"{final}_at", **ids):
+        if await self.move(bid, leave, final, f"{final}_at", **ids, **gone):
             await self.retire(bid, True)
         # else a cancel came first: the next pass ends the batch as cancelled (same files' ids)
 

@@ -130,3 +130,34 @@ def test_a_batch_fails_only_after_both_the_count_and_the_time():
     f.ok("b")
     f.keep_only(["b"])  # "c" left the active set elsewhere
     assert f.since == {}
+
+
+async def cancel_with_input_gone(redis_url: str, prefix: str) -> dict:
+    client = AsyncClient(redis_url, prefix)
+    r, keys = client.redis, client.keys
+    files, batches = FileStore(r, keys), BatchStore(r, keys)
+    driver = BatchDriver(client, files, batches)
+    now = int(time.time())
+    rec = BatchRecord(id="batch_gone", endpoint="/v1/completions", input_file_id="file-gone",
+                      completion_window="24h", created_at=now, expires_at=now + 3600)
+    await batches.create(rec, 3)  # its file deleted, then a cancel, before any pass expanded it
+    await r.hset(keys.batch(rec.id), "status", "cancelling")
+    try:
+        for _ in range(3):
+            await driver.tick()
+        return (await batches.get(rec.id)).model_dump()
+    finally:
+        await driver.close()
+        await client.close()
+
+
+def test_a_cancelled_batch_whose_input_is_gone_says_why_none_ran(redis_url):
+    """It ended `cancelled` with 3 lines counted, none answered, and no word of why."""
+    prefix = new_prefix("bgone")
+    try:
+        view = asyncio.run(cancel_with_input_gone(redis_url, prefix))
+    finally:
+        drop_prefix(redis_url, prefix)
+    assert view["status"] == "cancelled", view
+    (err,) = view["errors"]
+    assert err["code"] == "input_file_missing" and "none of its 3 lines ran" in err["message"]
