@@ -13,6 +13,7 @@ not cancellable."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -38,33 +39,43 @@ def answer(i: int, ok: bool) -> str:
     return bl.stored(i + 1, ok, line)
 
 
-async def finalize(redis_url: str, prefix: str) -> tuple[str, dict, dict]:
+@contextlib.asynccontextmanager
+async def driving(redis_url: str, prefix: str, rec_id: str, input_file_id: str, total: int,
+                  **driver_kw):
+    """(driver, redis, keys, files, batches) over a batch `rec_id` just created (validating)."""
     client = AsyncClient(redis_url, prefix)
     r, keys = client.redis, client.keys
     files, batches = FileStore(r, keys), BatchStore(r, keys)
-    driver = BatchDriver(client, files, batches, lease_ms=200)
+    driver = BatchDriver(client, files, batches, **driver_kw)
     now = int(time.time())
-    rec = BatchRecord(id="batch_bigfiles", endpoint="/v1/completions", input_file_id="file-gone",
-                      completion_window="24h", created_at=now, expires_at=now + 3600)
-    await batches.create(rec, N)
-    done = keys.batch_done(rec.id)
-    for lo in range(0, N, 500):
-        await r.hset(done, mapping={f"c{i}": answer(i, i % 10 != 0) for i in range(lo, lo + 500)})
-    await r.expire(done, 3600)
-    await r.hset(keys.batch(rec.id), mapping={"status": "finalizing", "completed": N - N // 10,
-                                              "failed": N // 10})
+    await batches.create(BatchRecord(id=rec_id, endpoint="/v1/completions",
+                                     input_file_id=input_file_id, completion_window="24h",
+                                     created_at=now, expires_at=now + 3600), total)
     try:
+        yield driver, r, keys, files, batches
+    finally:
+        await driver.close()
+        await client.close()
+
+
+async def finalize(redis_url: str, prefix: str) -> tuple[str, dict, dict]:
+    async with driving(redis_url, prefix, "batch_bigfiles", "file-gone", N,
+                       lease_ms=200) as (driver, r, keys, files, batches):
+        done = keys.batch_done("batch_bigfiles")
+        for lo in range(0, N, 500):
+            await r.hset(done, mapping={f"c{i}": answer(i, i % 10 != 0)
+                                        for i in range(lo, lo + 500)})
+        await r.expire(done, 3600)
+        await r.hset(keys.batch("batch_bigfiles"), mapping={
+            "status": "finalizing", "completed": N - N // 10, "failed": N // 10})
         for _ in range(4):
             await driver.tick()
-            view = await batches.get(rec.id)
+            view = await batches.get("batch_bigfiles")
             if view.status == "completed":
                 break
         out = await files.content(view.output_file_id) if view.output_file_id else ""
         err = await files.content(view.error_file_id) if view.error_file_id else ""
         return view.status, {"out": out, "err": err}, view.model_dump()
-    finally:
-        await driver.close()
-        await client.close()
 
 
 def test_files_that_outlast_the_lease_still_end_the_batch(redis_url):
@@ -82,28 +93,16 @@ def test_files_that_outlast_the_lease_still_end_the_batch(redis_url):
 
 
 async def run_broken(redis_url: str, prefix: str) -> tuple[dict, bool]:
-    client = AsyncClient(redis_url, prefix)
-    r, keys = client.redis, client.keys
-    files, batches = FileStore(r, keys), BatchStore(r, keys)
     # the count alone here; a gateway also waits STEP_FAILURES_S (60 s) from the first
-    driver = BatchDriver(client, files, batches, fail_after=(MAX_STEP_FAILURES, 0.0))
-    now = int(time.time())
-    # what a peer holding the Redis URL (or a corrupted write) could leave as the input
-    bad = FileRecord(id="file-broken", bytes=9, created_at=now, filename="in.jsonl",
-                     purpose="batch", lines=1)
-    await files.put(bad, "not json\n")
-    rec = BatchRecord(id="batch_broken", endpoint="/v1/completions", input_file_id=bad.id,
-                      completion_window="24h", created_at=now, expires_at=now + 3600)
-    await batches.create(rec, 1)
-    try:
+    async with driving(redis_url, prefix, "batch_broken", "file-broken", 1,
+                       fail_after=(MAX_STEP_FAILURES, 0.0)) as (driver, r, keys, files, batches):
+        # what a peer holding the Redis URL (or a corrupted write) could leave as the input
+        await files.put(FileRecord(id="file-broken", bytes=9, created_at=int(time.time()),
+                                   filename="in.jsonl", purpose="batch", lines=1), "not json\n")
         for _ in range(MAX_STEP_FAILURES + 2):
             await driver.tick()
-        view = await batches.get(rec.id)
-        active = await r.zscore(keys.batches_active, rec.id) is not None
-        return view.model_dump(), active
-    finally:
-        await driver.close()
-        await client.close()
+        view = await batches.get("batch_broken")
+        return view.model_dump(), await r.zscore(keys.batches_active, "batch_broken") is not None
 
 
 def test_a_batch_whose_step_keeps_failing_ends_failed_saying_why(redis_url):
@@ -133,22 +132,13 @@ def test_a_batch_fails_only_after_both_the_count_and_the_time():
 
 
 async def cancel_with_input_gone(redis_url: str, prefix: str) -> dict:
-    client = AsyncClient(redis_url, prefix)
-    r, keys = client.redis, client.keys
-    files, batches = FileStore(r, keys), BatchStore(r, keys)
-    driver = BatchDriver(client, files, batches)
-    now = int(time.time())
-    rec = BatchRecord(id="batch_gone", endpoint="/v1/completions", input_file_id="file-gone",
-                      completion_window="24h", created_at=now, expires_at=now + 3600)
-    await batches.create(rec, 3)  # its file deleted, then a cancel, before any pass expanded it
-    await r.hset(keys.batch(rec.id), "status", "cancelling")
-    try:
+    # its file deleted, then a cancel, before any pass expanded it
+    async with driving(redis_url, prefix, "batch_gone", "file-gone", 3) as (
+            driver, r, keys, _, batches):
+        await r.hset(keys.batch("batch_gone"), "status", "cancelling")
         for _ in range(3):
             await driver.tick()
-        return (await batches.get(rec.id)).model_dump()
-    finally:
-        await driver.close()
-        await client.close()
+        return (await batches.get("batch_gone")).model_dump()
 
 
 def test_a_cancelled_batch_whose_input_is_gone_says_why_none_ran(redis_url):
