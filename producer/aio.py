@@ -88,12 +88,14 @@ class AsyncJob:
     async def serving_workers(self) -> list[WorkerInfo]:
         return serving(await live_workers_async(self.client.redis, self.client.keys), self.model)
 
+    def _watch(self, timeout: Optional[float], no_worker_s: Optional[float]) -> Watch:
+        c = self.client
+        return Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
+                     c.reconnect_s)
+
     async def events(self, timeout: Optional[float] = None, start: str = "0-0",
                      no_worker_s: Optional[float] = None) -> AsyncIterator[Any]:
-        c = self.client
-        watch = Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
-                      c.reconnect_s)
-        async for ev in self._events(watch, start):
+        async for ev in self._events(self._watch(timeout, no_worker_s), start):
             yield ev
 
     async def _events(self, watch: Watch, last: str) -> AsyncIterator[Any]:
@@ -160,9 +162,7 @@ class AsyncJob:
             pipe.xrevrange(keys.events(self.id), count=1)
             return await pipe.execute()
 
-        c = self.client  # one deadline for the snapshot and the wait
-        watch = Watch(self.id, self.model, c.keys.prefix, c.url, timeout, no_worker_s,
-                      c.reconnect_s)
+        watch = self._watch(timeout, no_worker_s)  # one deadline for the snapshot and the wait
         while True:
             try:
                 (res, err), last = await _bounded(snapshot(), watch)

@@ -24,7 +24,7 @@ from genpool.schemas import JobResult
 
 from .client import Client
 from .jsonl import job_id_for, line_object
-from .openai_format import ENDPOINTS, APIError, OpenAIRequest, completion_body, parse_body
+from .openai_format import ENDPOINTS, APIError, OpenAIRequest, completion_body, one_of, parse_body
 from .pipeline import Poller, poll_results
 from .progress import make_progress
 
@@ -62,7 +62,7 @@ def parse_line(raw: bytes, lineno: int, ident: str, model: Optional[str],
     try:
         if obj.get("method") != "POST":
             raise APIError(400, f"method must be POST (got {obj.get('method')!r})", param="method")
-        if not isinstance(url, str) or url not in ENDPOINTS:
+        if not one_of(url, ENDPOINTS):
             raise APIError(400, f"url must be one of {', '.join(ENDPOINTS)} (got {url!r})",
                            param="url")
         if isinstance(body, dict) and body.get("stream"):

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Executor
-from typing import Callable, Optional, TypeVar, get_args
+from typing import Callable, Optional, TypeVar
 
 import redis
 
@@ -29,9 +29,9 @@ from genpool.schemas.batches import (
     BATCH_IN_FLIGHT,
     BATCH_LEASE_MS,
     BATCH_TICK_S,
+    LIVE_BATCH,
     TERMINAL_BATCH,
     UNRUN_CODE,
-    BatchStatus,
     BatchView,
 )
 from genpool.schemas.scripting import Script
@@ -121,9 +121,8 @@ class BatchDriver:
         log.exception("batch %s: its step keeps failing; the batch fails", bid)
         why = [{"code": "batch_step_failed",
                 "message": f"the batch could not go on: {type(err).__name__}: {err}"[:1000]}]
-        live = tuple(s for s in get_args(BatchStatus) if s not in TERMINAL_BATCH)
         try:
-            if await self.move(bid, live, "failed", "failed_at", errors=json.dumps(why)):
+            if await self.move(bid, LIVE_BATCH, "failed", "failed_at", errors=json.dumps(why)):
                 for jid in await self.r.smembers(self.keys.batch_sent(bid)):
                     await self.client.cancel(jid)  # nobody will collect them
                 await self.retire(bid, True)

@@ -58,7 +58,7 @@ def render(stored: list[str]) -> list[tuple[str, int, int]]:
     answers = sorted((json.loads(v) for v in stored), key=lambda a: a["n"])
     files = []
     for ok in (True, False):
-        text = "".join(json.dumps(a["line"], ensure_ascii=False) + "\n" for a in answers
-                       if a["ok"] is ok)
-        files.append((text, len(text.encode()), text.count("\n")))
+        rows = [json.dumps(a["line"], ensure_ascii=False) + "\n" for a in answers if a["ok"] is ok]
+        text = "".join(rows)
+        files.append((text, len(text.encode()), len(rows)))
     return files

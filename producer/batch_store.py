@@ -110,11 +110,13 @@ class FileStore:
             pipe = self.r.pipeline(transaction=False)
             for fid in ids:
                 pipe.hmget(self.keys.file(fid), "record", "deleted")
-            recs = [FileRecord.model_validate_json(x) if x else (None if dead else False)
-                    for x, dead in await pipe.execute()]  # (a tombstone: None, kept listed)
-            return [x if not isinstance(x, FileRecord) or (x.owner == owner and purpose in
-                                                           (None, x.purpose)) else None
-                    for x in recs]
+            return [shown(raw, dead) for raw, dead in await pipe.execute()]
+
+        def shown(raw: Optional[str], dead: Optional[str]):  # page()'s record, None or False
+            if not raw:  # a tombstone stays listed (None), an expired file goes (False)
+                return None if dead else False
+            rec = FileRecord.model_validate_json(raw)
+            return rec if rec.owner == owner and purpose in (None, rec.purpose) else None
         return await page(self.r, self.keys.files, after, limit, load)
 
 

@@ -33,7 +33,7 @@ from .batch_store import BatchStore, FileStore
 from .batch_webhooks import WebhookOptions
 from .gateway_io import read_json
 from .openai_files import install_file_routes, list_args, listing, storage_lock, visible
-from .openai_format import ENDPOINTS, APIError
+from .openai_format import ENDPOINTS, APIError, one_of
 from .tenancy import Principal
 
 MAX_METADATA = (16, 64, 512)  # OpenAI's bounds: keys, key length, value length
@@ -103,10 +103,10 @@ class BatchAPI:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         endpoint, window = body.get("endpoint"), body.get("completion_window")
-        if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:  # (a list: unhashable)
+        if not one_of(endpoint, ENDPOINTS):
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)} (got "
                                 f"{endpoint!r})", param="endpoint", code="invalid_value")
-        if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
+        if not one_of(window, COMPLETION_WINDOWS):
             raise APIError(400, f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}"
                                 f" (got {window!r})", param="completion_window",
                            code="invalid_value")

@@ -37,7 +37,7 @@ from genpool.schemas.tenants import TenantKeys
 
 from .gateway_io import bounded
 from .jsonl import jsonl_lines, line_object
-from .openai_format import ENDPOINTS, APIError
+from .openai_format import ENDPOINTS, APIError, one_of
 
 LOCK, UNLOCK = Script(BATCH_LEASE_LUA), Script(BATCH_RELEASE_LUA)
 FORM_SLACK = 64 << 10  # multipart framing and the purpose field around the file itself
@@ -61,7 +61,7 @@ def line_problem(raw: str, seen: set[str]) -> Optional[str]:
     seen.add(cid)
     if obj.get("method") != "POST":
         return f"method must be POST (got {obj.get('method')!r})"
-    if not isinstance(obj.get("url"), str) or obj["url"] not in ENDPOINTS:
+    if not one_of(obj.get("url"), ENDPOINTS):
         return f"url must be one of {', '.join(ENDPOINTS)} (got {obj.get('url')!r})"
     if not isinstance(obj.get("body"), dict):
         return "body must be a JSON object"

@@ -26,6 +26,12 @@ from .openai_response import chunk_body, completion_body, echo_chunks, final_chu
 from .protocol import build_request
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def one_of(value: Any, names: dict) -> bool:
+    """Whether a request's `value` is one of `names`' keys (a JSON list or object is none: a
+    dict lookup of one raised TypeError, a 500)."""
+    return isinstance(value, str) and value in names
 # OpenAI's completions default is 16 tokens; chat has no fixed default, and 16 cuts most answers.
 DEFAULT_MAX_TOKENS = {"chat": 256, "completion": 16}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",

@@ -9,7 +9,7 @@ schemas/batch_scripts.py change one at a time. redis + pydantic only.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,7 +55,8 @@ DEFAULT_OWNER = DEFAULT_TENANT  # the tenant of a record made by a caller no key
 FilePurpose = Literal["batch", "batch_output"]
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
                       "cancelling", "cancelled"]
-TERMINAL_BATCH = ("failed", "completed", "expired", "cancelled")
+TERMINAL_BATCH = ("failed", "completed", "expired", "cancelled")  # LIVE_BATCH: the others
+LIVE_BATCH = tuple(s for s in get_args(BatchStatus) if s not in TERMINAL_BATCH)
 # The status a batch's final (error) lines name for lines that never ran.
 UNRUN_CODE = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
 # The hash fields of a batch that change; each `<state>_at` is set once, on entering that state.
